@@ -1,0 +1,34 @@
+"""Shared fixtures. The stackcheck plugin (verdicts, recording) is loaded from pyproject's addopts."""
+
+import os
+
+# No network at run time: any hub access must fail, not download. Set before any HF import.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _free_accelerator_memory():
+    yield
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def offload_dir(tmp_path):
+    return tmp_path / "offload"
+
+
+@pytest.fixture
+def prompt():
+    from stackcheck import scenario
+
+    return scenario.prompt()

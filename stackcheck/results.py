@@ -1,0 +1,109 @@
+"""results/matrix.json (written cell by cell, so a crash loses nothing) and the matrix.md rendered from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from stackcheck.ledger import SEVERITY, Ledger
+
+CELL_KEYS = ("set", "family", "test", "lane", "verdict", "signature", "bug", "seconds")
+
+
+def empty() -> dict:
+    return {"sets": {}, "cells": []}
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else empty()
+
+
+@contextmanager
+def _locked(path: Path):
+    from filelock import FileLock  # a dependency of torch and huggingface_hub, so always in the env
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        yield
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def save(path: Path, data: dict) -> None:
+    _write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    _write_atomic(path.with_suffix(".md"), render_markdown(data))
+
+
+def merge_into(target: dict, incoming: dict) -> dict:
+    """Add `incoming` to `target`; a cell with the same (set, lane, test) replaces the older one."""
+    for name, versions in incoming["sets"].items():
+        if name in target["sets"] and target["sets"][name] != versions:
+            raise ValueError(f"set '{name}' was run with different versions: {target['sets'][name]} vs {versions}")
+        target["sets"][name] = versions
+    fresh = {(c["set"], c["lane"], c["test"]): c for c in incoming["cells"]}
+    target["cells"] = [c for c in target["cells"] if (c["set"], c["lane"], c["test"]) not in fresh]
+    target["cells"].extend(fresh.values())
+    target["cells"].sort(key=lambda c: (c["set"], c["family"], c["lane"], c["test"]))
+    return target
+
+
+def record_set(path: Path, name: str, versions: dict[str, str], device: str | None = None) -> None:
+    with _locked(path):
+        data = load(path)
+        data["sets"][name] = dict(versions, **({"device": device} if device else {}))
+        save(path, data)
+
+
+def record_cell(path: Path, cell: dict) -> None:
+    with _locked(path):
+        data = load(path)
+        merge_into(data, {"sets": {}, "cells": [{k: cell.get(k) for k in CELL_KEYS} | cell]})
+        save(path, data)
+
+
+def worst(verdicts: list[str]) -> str:
+    return min(verdicts, key=SEVERITY.index)
+
+
+def render_markdown(data: dict, ledger: Ledger | None = None) -> str:
+    ledger = ledger or Ledger()
+    sets = list(data["sets"])
+    families = [f for f in ledger.families if any(c["family"] == f for c in data["cells"])]
+    families += sorted({c["family"] for c in data["cells"]} - set(families))
+    lines = ["# stackcheck matrix", ""]
+    lines += ["| set | " + " | ".join(["python", "torch", "transformers", "peft", "accelerate", "bitsandbytes", "device"]) + " |"]
+    lines += ["|---" * 8 + "|"]
+    for name in sets:
+        v = data["sets"][name]
+        cols = [v.get(k, "") for k in ("python", "torch", "transformers", "peft", "accelerate", "bitsandbytes", "device")]
+        lines.append(f"| {name} | " + " | ".join(cols) + " |")
+    lines += ["", "| family | " + " | ".join(sets) + " |", "|---" * (len(sets) + 1) + "|"]
+    for family in families:
+        row = [family]
+        for name in sets:
+            cells = [c for c in data["cells"] if c["set"] == name and c["family"] == family]
+            row.append(_summary(cells, ledger) if cells else "")
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "## Cells", "", "| set | lane | test | verdict | bug | signature | s |", "|---" * 7 + "|"]
+    for c in data["cells"]:
+        signature = (c.get("signature") or "").replace("|", "\\|")
+        lines.append(
+            f"| {c['set']} | {c['lane']} | `{c['test']}` | {c['verdict']} | {c.get('bug') or ''} | {signature} | {c['seconds']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _summary(cells: list[dict], ledger: Ledger) -> str:
+    verdict = worst([c["verdict"] for c in cells])
+    bugs = sorted({c["bug"] for c in cells if c["verdict"] == verdict and c.get("bug")})
+    counts = ", ".join(f"{sum(c['verdict'] == v for c in cells)} {v}" for v in SEVERITY if any(c["verdict"] == v for c in cells))
+    links = [f"[{b}]({ledger.bugs[b].links[0]})" if b in ledger.bugs else b for b in bugs]
+    return f"**{verdict}** " + (" ".join(links) + " " if links else "") + f"({counts})"

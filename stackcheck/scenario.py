@@ -1,0 +1,192 @@
+"""Building blocks every family test shares: loading the tiny model the way the seed user did,
+dispatching it with accelerate, loading adapters through PEFT, and proving preconditions.
+
+Nothing here patches a library. Each helper calls the public entry point whose code path the seed
+traces go through, and the `require_*` helpers turn a missing precondition into ScenarioNotReached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from stackcheck import tiny
+
+PROMPT_IDS = [[2, 17, 43, 99, 5, 128, 7, 64]]
+
+
+class ScenarioNotReached(Exception):
+    """The test could not prove its bug's precondition, so its outcome says nothing about the bug."""
+
+    def __init__(self, what: str):
+        super().__init__(f"scenario not reached: {what}")
+
+
+def require(condition: object, what: str) -> None:
+    if not condition:
+        raise ScenarioNotReached(what)
+
+
+def main_device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def device_key(device: torch.device) -> int | str:
+    """How accelerate's device maps and max_memory name a device."""
+    return device.index if device.type == "cuda" else device.type
+
+
+def offload_device(main: torch.device) -> str:
+    """accelerate offloads (params to meta, weights in a map) to 'cpu' when the main device is a GPU
+    and only to 'disk' when the main device is the CPU: the same hooks, one level further down."""
+    return "disk" if main.type == "cpu" else "cpu"
+
+
+def bnb_config(double_quant: bool = True, fp32_cpu_offload: bool = False):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        llm_int8_enable_fp32_cpu_offload=fp32_cpu_offload,
+    )
+
+
+def load_base(quantized: bool = True, double_quant: bool = True, device_map=None, **kwargs):
+    """The seed's `Gemma4ForConditionalGeneration.from_pretrained`, on the tiny checkpoint."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    if device_map is None:
+        device_map = {"": str(main_device())}
+    if quantized:
+        kwargs.setdefault("quantization_config", bnb_config(double_quant=double_quant))
+    return Gemma4ForConditionalGeneration.from_pretrained(
+        tiny.base_checkpoint(),
+        dtype=torch.bfloat16,
+        device_map=device_map,
+        **kwargs,
+    ).eval()
+
+
+def linear4bit_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    import bitsandbytes as bnb
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+
+
+def require_nested_linear4bit(name: str, module: torch.nn.Module) -> None:
+    import bitsandbytes as bnb
+
+    require(isinstance(module, bnb.nn.Linear4bit), f"{name} is {type(module).__name__}, not a bnb Linear4bit")
+    weight = module.weight
+    require(isinstance(weight, bnb.nn.Params4bit), f"{name}.weight is {type(weight).__name__}, not Params4bit")
+    state = weight.quant_state
+    require(state is not None and state.nested, f"{name} has no nested (double-quant) quant state")
+
+
+def quant_state_devices(module: torch.nn.Module) -> set[str]:
+    state = module.weight.quant_state
+    tensors = [state.absmax, state.code]
+    if state.nested:
+        tensors += [state.offset, state.state2.absmax, state.state2.code]
+    return {t.device.type for t in tensors}
+
+
+def split_dispatch(model, offload_dir: Path):
+    """Dispatch the loaded base across devices like the seed's split device map.
+
+    The seed keeps the (unquantized) multimodal towers off the GPU. Here the per-layer embedding table,
+    which bitsandbytes never quantizes, goes one level down; that gives the base an `hf_device_map`
+    with an offloaded entry, which is what makes PEFT redispatch. transformers' own dispatch passes
+    `skip_keys`, so we do too.
+    """
+    from accelerate import dispatch_model
+
+    main = main_device()
+    target = offload_device(main)
+    device_map = {"model.language_model.embed_tokens_per_layer": target, "": device_key(main)}
+    return dispatch_model(
+        model, device_map=device_map, offload_dir=str(offload_dir), skip_keys=model._skip_keys_device_placement
+    )
+
+
+def memory_pressure(model, fraction: float = 0.5) -> dict:
+    """A `max_memory` whose main-device budget holds only `fraction` of the model, forcing the rest off it:
+    the seed user's 12 GB GPU, reproduced on any device."""
+    from accelerate.utils import compute_module_sizes
+
+    return {device_key(main_device()): int(compute_module_sizes(model)[""] * fraction)}
+
+
+def peft_load(base, adapter: str, **kwargs):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base, tiny.adapter_checkpoint(adapter), is_trainable=False, **kwargs)
+
+
+def offloaded_linear4bit(model, device_map: dict[str, object], offloaded_to: Iterable[str]) -> list[str]:
+    """Names of Linear4bit modules that `device_map` sent to an offload device."""
+    offloaded_to = set(offloaded_to)
+    roots = [name for name, device in device_map.items() if device in offloaded_to]
+    return [
+        name
+        for name in linear4bit_modules(model)
+        if any(root == "" or name == root or name.startswith(root + ".") for root in roots)
+    ]
+
+
+def prompt(device=None) -> torch.Tensor:
+    return torch.tensor(PROMPT_IDS, device=device or main_device())
+
+
+@torch.no_grad()
+def logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=input_ids).logits.float().cpu()
+
+
+@torch.no_grad()
+def greedy(model, input_ids: torch.Tensor, new_tokens: int = 6) -> list[int]:
+    out = model.generate(input_ids=input_ids, max_new_tokens=new_tokens, do_sample=False, use_cache=True)
+    return out[0, input_ids.shape[1] :].tolist()
+
+
+def require_hf_initialized(name: str, param: torch.nn.Parameter) -> None:
+    require(getattr(param, "_is_hf_initialized", False), f"{name} does not carry transformers' _is_hf_initialized")
+
+
+def first_nested_linear4bit(model) -> tuple[str, torch.nn.Module]:
+    modules = linear4bit_modules(model)
+    require(modules, "the model has no bnb Linear4bit modules")
+    name, module = next(iter(modules.items()))
+    require_nested_linear4bit(name, module)
+    return name, module
+
+
+def require_offloaded_linear4bit(model, offload_to: str) -> list[str]:
+    """Prove the (re)dispatch really moved 4-bit modules off the main device, quant state and all."""
+    device_map = getattr(model, "hf_device_map", None)
+    require(device_map, "the model has no hf_device_map: it was never dispatched")
+    names = offloaded_linear4bit(model, device_map, {offload_to})
+    require(names, f"the dispatch kept every Linear4bit on the main device ({device_map})")
+    modules = dict(model.named_modules())
+    for name in names:
+        require_nested_linear4bit(name, modules[name])
+    return names
+
+
+def clippable_linears(model) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules() if type(m).__name__ == "Gemma4ClippableLinear"}
+
+
+def lora_wrapped(model) -> list[str]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [name for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+
+
+def require_adapter_changes(with_adapter: torch.Tensor, without_adapter: torch.Tensor, where: str) -> None:
+    require(not torch.allclose(with_adapter, without_adapter), f"the adapter does not change outputs of {where}")

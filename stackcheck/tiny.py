@@ -1,0 +1,124 @@
+"""Tiny random Gemma 4 checkpoints and LoRA adapters, built from config with no network.
+
+Config schemas change between transformers releases, so each checkpoint is built by the installed
+transformers and cached under a key made of its version and a hash of the fixture files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from functools import cache
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURES_DIR = REPO_ROOT / "fixtures"
+SEED = 0
+
+
+def _fixture(name: str) -> dict:
+    data = json.loads((FIXTURES_DIR / name).read_text())
+    data.pop("_comment", None)
+    return data
+
+
+def adapter_names() -> list[str]:
+    return sorted(_fixture("adapters.json"))
+
+
+def adapter_spec(name: str) -> dict:
+    return _fixture("adapters.json")[name]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("STACKCHECK_CACHE", REPO_ROOT / ".cache"))
+
+
+def _cache_dir() -> Path:
+    import transformers
+
+    digest = hashlib.sha256()
+    for name in ("tiny_gemma4.json", "adapters.json"):
+        digest.update((FIXTURES_DIR / name).read_bytes())
+    return cache_root() / f"tiny-gemma4-transformers-{transformers.__version__}-{digest.hexdigest()[:12]}"
+
+
+def tiny_config():
+    from transformers import Gemma4Config
+
+    return Gemma4Config(**_fixture("tiny_gemma4.json"))
+
+
+def _build_once(target: Path, build) -> Path:
+    """Build into a temp dir and rename it into place, so parallel workers never see half a checkpoint."""
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        build(scratch)
+        os.replace(scratch, target)
+    except OSError:
+        if not target.exists():  # lost a race to another worker: theirs is as good as ours
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _new_base_model():
+    import torch
+    from transformers import Gemma4ForConditionalGeneration
+
+    torch.manual_seed(SEED)
+    return Gemma4ForConditionalGeneration(tiny_config()).eval()
+
+
+@cache
+def base_checkpoint() -> Path:
+    """Directory of the bf16 safetensors checkpoint of the tiny model."""
+    import torch
+
+    def build(out: Path) -> None:
+        _new_base_model().to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+
+    return _build_once(_cache_dir() / "base", build)
+
+
+@cache
+def adapter_checkpoint(name: str) -> Path:
+    """Directory of the LoRA adapter fixture `name` (see fixtures/adapters.json)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    spec = _fixture("adapters.json")[name]
+
+    def build(out: Path) -> None:
+        weights_spec = _fixture("adapters.json")[spec.get("weights_from", name)]
+        torch.manual_seed(SEED + 1)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=weights_spec["target_modules"], init_lora_weights=False)
+        model = get_peft_model(_new_base_model(), config)
+        model.save_pretrained(out)
+        if "weights_from" in spec:
+            # The broad adapter's targets cannot be applied on releases with the clippable bug, so its
+            # weights come from another adapter and only the config carries the broad targets.
+            config_file = out / "adapter_config.json"
+            saved = json.loads(config_file.read_text())
+            saved["target_modules"] = spec["target_modules"]
+            config_file.write_text(json.dumps(saved, indent=2))
+
+    return _build_once(_cache_dir() / f"adapter-{name}", build)
+
+
+def build_all() -> dict[str, Path]:
+    paths = {"base": base_checkpoint()}
+    paths.update({f"adapter-{name}": adapter_checkpoint(name) for name in adapter_names()})
+    return paths
+
+
+if __name__ == "__main__":
+    for label, path in build_all().items():
+        print(f"{label}: {path}")

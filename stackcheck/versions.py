@@ -1,0 +1,136 @@
+"""Version sets: named pins from sets.toml, plus ad-hoc overrides from the command line."""
+
+from __future__ import annotations
+
+import datetime
+import re
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+SETS_FILE = Path(__file__).with_name("sets.toml")
+LIBRARIES = ("transformers", "peft", "accelerate", "bitsandbytes")
+PACKAGES = ("torch",) + LIBRARIES
+PIN_HELP = "NAME==VERSION, NAME@git+URL[@REF] or NAME=PATH (a wheel, sdist or source tree)"
+
+
+class UsageError(Exception):
+    """A user mistake: reported as one line with exit code 2, never as a traceback."""
+
+
+@dataclass(frozen=True)
+class Pin:
+    package: str
+    version: str | None = None  # exact release
+    url: str | None = None  # git+https://...@ref, or file:// for a local wheel or tree
+
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}" if self.version else f"{self.package} @ {self.url}"
+
+    def __str__(self) -> str:
+        return self.version or self.url
+
+
+@dataclass(frozen=True)
+class VersionSet:
+    name: str
+    pins: dict[str, Pin]
+    description: str = ""
+    overrides: tuple[str, ...] = field(default=())
+
+    def requirements(self) -> list[str]:
+        return [pin.requirement() for pin in self.pins.values()]
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.+-]+", "_", self.name)[:100]
+
+
+def _check_package(package: str, token: str) -> str:
+    name = package.strip().lower()
+    if name not in PACKAGES:
+        raise UsageError(f"bad pin '{token}': unknown package '{package}' (known: {', '.join(PACKAGES)})")
+    return name
+
+
+def parse_pin(token: str) -> Pin:
+    """Parse one override token; see PIN_HELP."""
+    if "==" in token:
+        package, version = token.split("==", 1)
+        try:
+            Version(version)
+        except InvalidVersion:
+            raise UsageError(f"bad pin '{token}': '{version}' is not a valid version") from None
+        return Pin(_check_package(package, token), version=version)
+    if "@" in token and "=" not in token.split("@", 1)[0]:
+        package, url = (part.strip() for part in token.split("@", 1))
+        if not re.match(r"^(git\+)?(https?|file|ssh)://", url):
+            raise UsageError(f"bad pin '{token}': expected a URL such as git+https://github.com/org/repo@ref")
+        return Pin(_check_package(package, token), url=url)
+    if "=" in token:
+        package, path = token.split("=", 1)
+        location = Path(path).expanduser().resolve()
+        if not location.exists():
+            raise UsageError(f"bad pin '{token}': no such file or directory {location}")
+        return Pin(_check_package(package, token), url=location.as_uri())
+    raise UsageError(f"bad pin '{token}': expected {PIN_HELP}")
+
+
+def load_sets(path: Path = SETS_FILE) -> tuple[dict[str, VersionSet], str]:
+    data = tomllib.loads(path.read_text())
+    sets = {}
+    for name, entry in data["sets"].items():
+        pins = {pkg: parse_pin(f"{pkg}=={entry[pkg]}") for pkg in PACKAGES if pkg in entry}
+        missing = [lib for lib in LIBRARIES if lib not in pins]
+        if missing:
+            raise UsageError(f"set '{name}' in {path.name} does not pin {', '.join(missing)}")
+        sets[name] = VersionSet(name, pins, entry.get("description", ""))
+    return sets, data["default"]
+
+
+def resolve(names: list[str] | None = None, overrides: list[str] | None = None) -> list[VersionSet]:
+    """The sets to run: named ones (all when none are named), each with the overrides applied."""
+    known, _default = load_sets()
+    chosen = []
+    for name in names or list(known):
+        if name not in known:
+            raise UsageError(f"unknown set '{name}' (valid sets: {', '.join(known)})")
+        chosen.append(known[name])
+    pins = [parse_pin(token) for token in overrides or []]
+    if not pins:
+        return chosen
+    return [
+        replace(
+            vset,
+            name=vset.name + "+" + "+".join(overrides),
+            pins={**vset.pins, **{pin.package: pin for pin in pins}},
+            overrides=tuple(overrides),
+        )
+        for vset in chosen
+    ]
+
+
+def default_set() -> VersionSet:
+    known, default = load_sets()
+    return known[default]
+
+
+def refresh_latest(path: Path = SETS_FILE) -> dict[str, str]:
+    """Rewrite the `latest` pins with the newest releases the package index offers."""
+    text = path.read_text()
+    newest = {}
+    for package in LIBRARIES:
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "index", "versions", package], capture_output=True, text=True, check=True
+        ).stdout
+        newest[package] = re.search(rf"^{package} \(([^)]+)\)", out, re.M).group(1)
+    head, latest = text.split("[sets.latest]", 1)
+    for package, version in newest.items():
+        latest = re.sub(rf'^{package} = ".*"$', f'{package} = "{version}"', latest, count=1, flags=re.M)
+    latest = re.sub(r'^refreshed = ".*"$', f'refreshed = "{datetime.date.today()}"', latest, count=1, flags=re.M)
+    path.write_text(head + "[sets.latest]" + latest)
+    return newest

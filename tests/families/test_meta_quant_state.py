@@ -1,0 +1,56 @@
+"""`Tensor.item() cannot be called on meta tensors` in `QuantState.as_dict(packed=True)`.
+
+Symptom (seed 003, accelerate 1.14.0.dev0): `PeftModel.from_pretrained` on a split 4-bit Gemma 4 ->
+`load_adapter` -> `dispatch_model` -> `attach_execution_device_hook` -> `module.state_dict()` ->
+bnb `Linear4bit._save_to_state_dict` -> `QuantState.as_dict(packed=True)` -> `self.offset.item()`.
+The offload hook had moved the shared double-quant state to meta. Variant: the first forward of such a
+layer fails with `Cannot copy out of meta tensor`. On accelerate < 1.14 with bitsandbytes < 0.50 the same
+user action dies earlier on params4bit_kwargs, which the verdict then names.
+
+Upstream: no issue or fix found (bitsandbytes 0.50.2, accelerate 1.15.0, peft 0.21.2 unchanged); thread
+https://discuss.huggingface.co/t/cpu-offloading-error-scenario/175522.
+
+Precondition proven: the module is a `Linear4bit` with nested quant state; after accelerate's offload its
+quant state is on meta; after PEFT's redispatch 4-bit modules really sit on the offload device.
+"""
+
+from accelerate import dispatch_model
+from accelerate.utils import set_module_tensor_to_device
+
+from stackcheck import scenario
+
+
+def test_state_dict_after_accelerate_offload_to_meta():
+    name, module = scenario.first_nested_linear4bit(scenario.load_base())
+
+    set_module_tensor_to_device(module, "weight", "meta")  # AlignDevicesHook.init_hook's own call
+    scenario.require("meta" in scenario.quant_state_devices(module), f"{name}'s quant state stayed off meta")
+
+    state = module.state_dict()  # what attach_execution_device_hook asks of every unhooked module
+
+    assert any(key.endswith("quant_state.bitsandbytes__nf4") for key in state)
+
+
+def test_peft_load_on_split_4bit_base_under_memory_pressure(offload_dir, prompt):
+    """The seed's call, with the main device's budget cut so PEFT's redispatch must offload 4-bit layers."""
+    reference = scenario.greedy(scenario.peft_load(scenario.load_base(), "language"), prompt)
+    base = scenario.split_dispatch(scenario.load_base(), offload_dir / "base")
+    pressure = scenario.memory_pressure(base)
+
+    model = scenario.peft_load(base, "language", max_memory=pressure, offload_dir=str(offload_dir / "peft"))
+    scenario.require_offloaded_linear4bit(model, scenario.offload_device(scenario.main_device()))
+
+    assert scenario.greedy(model, prompt) == reference
+
+
+def test_offloaded_4bit_layer_forward(offload_dir, prompt):
+    """A 4-bit layer dispatched to the offload device must come back with its quant state at forward."""
+    reference = scenario.greedy(scenario.load_base(), prompt)
+    base = scenario.load_base()
+    main = scenario.main_device()
+    device_map = {"model.language_model.layers.5.mlp": scenario.offload_device(main), "": scenario.device_key(main)}
+
+    model = dispatch_model(base, device_map=device_map, offload_dir=str(offload_dir), skip_keys=base._skip_keys_device_placement)
+    scenario.require_offloaded_linear4bit(model, scenario.offload_device(main))
+
+    assert scenario.greedy(model, prompt) == reference

@@ -1,0 +1,45 @@
+"""`Params4bit.__new__() got an unexpected keyword argument '_is_hf_initialized'`.
+
+Symptom (seed R03): `PeftModel.from_pretrained` on a split 4-bit Gemma 4 -> `load_adapter` ->
+`dispatch_model` -> `AlignDevicesHook.init_hook` -> accelerate `set_module_tensor_to_device(module, name,
+"meta")`, which rebuilds the parameter as `Params4bit(new_value, **old_param.__dict__)`; transformers 5
+puts `_is_hf_initialized` in that `__dict__`.
+
+Upstream: accelerate#3976 (fixed in 1.14.0), bitsandbytes#1900 (fixed in 0.50.0), transformers#43872
+(the Int8Params twin).
+
+Precondition proven: the module is a bnb `Linear4bit` loaded by transformers, with nested (double-quant)
+quant state, and its `Params4bit` carries `_is_hf_initialized`.
+"""
+
+import bitsandbytes as bnb
+from accelerate.utils import set_module_tensor_to_device
+
+from stackcheck import scenario
+
+
+def loaded_param4bit_module():
+    name, module = scenario.first_nested_linear4bit(scenario.load_base())
+    scenario.require_hf_initialized(name, module.weight)
+    return module
+
+
+def test_offload_hook_moves_loaded_param_to_meta():
+    module = loaded_param4bit_module()
+
+    set_module_tensor_to_device(module, "weight", "meta")
+
+    assert isinstance(module.weight, bnb.nn.Params4bit)
+    assert module.weight.device.type == "meta"
+
+
+def test_offload_hook_restores_weight_from_weights_map():
+    """What `AlignDevicesHook.pre_forward` does for an offloaded layer: set the stored weight back."""
+    module = loaded_param4bit_module()
+    stored = module.weight.data.clone()
+
+    set_module_tensor_to_device(module, "weight", scenario.main_device(), value=stored)
+
+    assert isinstance(module.weight, bnb.nn.Params4bit)
+    assert module.weight.quant_state is not None
+    assert module.weight.device.type == scenario.main_device().type

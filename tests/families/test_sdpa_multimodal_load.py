@@ -1,0 +1,23 @@
+"""`ValueError: Gemma4AudioModel does not support an attention implementation through ... scaled_dot_product_attention`.
+
+Symptom (found by stackcheck): the seed user's load kwargs include `attn_implementation="sdpa"`. On
+transformers 5.6.2 the multimodal model loads with them; on 5.23.0 `from_pretrained` raises because the
+audio tower declares no SDPA support, so the user's script stops before any quantization or PEFT step.
+
+Upstream: no issue found (transformers#28005 is the generic SDPA-support tracker the message links to).
+
+Precondition proven: the fixture really has an audio tower (and vision tower) whose attention the
+requested implementation would have to cover.
+"""
+
+from stackcheck import scenario, tiny
+
+
+def test_seed_load_kwargs_with_sdpa_load_and_generate(prompt):
+    config = tiny.tiny_config()
+    scenario.require(config.audio_config is not None and config.vision_config is not None, "the fixture has no audio/vision tower")
+
+    model = scenario.load_base(attn_implementation="sdpa")
+
+    assert model.config.text_config._attn_implementation == "sdpa"
+    assert len(scenario.greedy(model, prompt)) > 0
