@@ -190,3 +190,11 @@ def lora_wrapped(model) -> list[str]:
 
 def require_adapter_changes(with_adapter: torch.Tensor, without_adapter: torch.Tensor, where: str) -> None:
     require(not torch.allclose(with_adapter, without_adapter), f"the adapter does not change outputs of {where}")
+
+
+def shared_kv_layers(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """(decoder layers, the KV-shared ones among them); errors when the model has no shared-KV layers."""
+    layers = [layer for name, m in model.named_modules() if name.endswith("language_model.layers") for layer in m]
+    shared = [layer for layer in layers if getattr(layer.self_attn, "is_kv_shared_layer", False)]
+    require(shared, "the model has no KV-shared decoder layers")
+    return layers, shared

@@ -15,7 +15,8 @@ from functools import cache
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FIXTURES_DIR = REPO_ROOT / "fixtures"
+# A harness test points this elsewhere to break a precondition on purpose.
+FIXTURES_DIR = Path(os.environ.get("STACKCHECK_FIXTURES", REPO_ROOT / "fixtures"))
 SEED = 0
 
 

@@ -20,15 +20,9 @@ import torch
 from stackcheck import scenario
 
 
-def shared_kv_layers(model):
-    layers = [m for name, m in model.named_modules() if name.endswith("language_model.layers") for m in m]
-    shared = [layer for layer in layers if getattr(layer.self_attn, "is_kv_shared_layer", False)]
-    scenario.require(shared, "the model has no KV-shared decoder layers")
-    return layers, shared
-
-
 @pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "nf4"])
 def test_generate_after_peft_redispatch_matches_undispatched(quantized, offload_dir, prompt):
+    scenario.shared_kv_layers(scenario.load_base(quantized=False))
     undispatched = scenario.peft_load(scenario.load_base(quantized=quantized), "language")
     reference_logits, reference_tokens = scenario.logits(undispatched, prompt), scenario.greedy(undispatched, prompt)
     base = scenario.split_dispatch(scenario.load_base(quantized=quantized), offload_dir / "base")
@@ -36,7 +30,7 @@ def test_generate_after_peft_redispatch_matches_undispatched(quantized, offload_
     model = scenario.peft_load(
         base, "language", max_memory=scenario.memory_pressure(base), offload_dir=str(offload_dir / "peft")
     )
-    layers, shared = shared_kv_layers(model)
+    layers, shared = scenario.shared_kv_layers(model)
     scenario.require(all(hasattr(layer, "_hf_hook") for layer in layers), "PEFT's redispatch left decoder layers unhooked")
     crossings = []
     shared[0].register_forward_pre_hook(

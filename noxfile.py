@@ -1,0 +1,38 @@
+"""nox sessions. Each one is a thin call into stackcheck.cli, which builds one uv environment per version
+set (torch from the platform, the libraries pinned), prints the resolved versions first, and runs pytest.
+The same code runs as `python -m stackcheck ...` where nox is not installed."""
+
+import sys
+from pathlib import Path
+
+import nox
+
+sys.path.insert(0, str(Path(__file__).parent))
+from stackcheck import cli  # noqa: E402
+
+nox.options.sessions = ["tests"]
+nox.options.default_venv_backend = "uv"
+
+
+def _run(command: str, session: nox.Session) -> None:
+    code = cli.main([command, *session.posargs])
+    if code:
+        raise SystemExit(code)  # keeps the CLI's exit code (2 for a usage error) and its one-line message
+
+
+@nox.session(venv_backend="none")
+def tests(session: nox.Session) -> None:
+    """The harness's own tests plus the CPU lane of every family, on the default set."""
+    _run("tests", session)
+
+
+@nox.session(venv_backend="none")
+def matrix(session: nox.Session) -> None:
+    """The CPU lane of every set (or `-- --sets a,b --with pkg==ver`); writes results/matrix.{json,md}."""
+    _run("matrix", session)
+
+
+@nox.session(venv_backend="none")
+def versions(session: nox.Session) -> None:
+    """Print each set's pins."""
+    _run("versions", session)

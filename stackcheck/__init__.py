@@ -1,0 +1,1 @@
+"""stackcheck: conformance and regression suite for the Hugging Face QLoRA stack."""

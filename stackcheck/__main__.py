@@ -1,0 +1,5 @@
+import sys
+
+from stackcheck.cli import main
+
+sys.exit(main())

@@ -1,0 +1,123 @@
+"""`python -m stackcheck`: the logic behind the nox sessions, runnable where nox is not installed."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from stackcheck import envs, results
+from stackcheck.ledger import ERROR, Ledger
+from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
+
+REPO_ROOT = envs.REPO_ROOT
+DEFAULT_RESULTS = REPO_ROOT / "results" / "matrix.json"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stackcheck", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def add_set_options(cmd: argparse.ArgumentParser, many: bool) -> None:
+        if many:
+            cmd.add_argument("--sets", help="comma-separated set names (default: every set in sets.toml)")
+        else:
+            cmd.add_argument("--set", dest="sets", help="set name (default: the default set)")
+        cmd.add_argument("--with", dest="overrides", action="append", default=[], metavar="PIN", help=PIN_HELP)
+        cmd.add_argument("--find-links", action="append", default=[], metavar="DIR", help="extra wheel folder")
+        cmd.add_argument("--no-index", action="store_true", help="install only from --find-links folders")
+
+    matrix = commands.add_parser("matrix", help="run the family tests of each set and write the report")
+    add_set_options(matrix, many=True)
+    matrix.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="matrix.json to write")
+    matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
+
+    tests = commands.add_parser("tests", help="the harness's own tests plus the CPU lane on one set")
+    add_set_options(tests, many=False)
+    tests.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
+
+    versions = commands.add_parser("versions", help="print the resolved pins of each set")
+    add_set_options(versions, many=True)
+
+    commands.add_parser("refresh-latest", help="re-pin the `latest` set to the newest releases")
+    return parser
+
+
+def _selected(args) -> list[VersionSet]:
+    names = [n for n in (args.sets or "").split(",") if n] or None
+    if args.command == "tests" and names is None:
+        names = [default_set().name]
+    return resolve(names, args.overrides)
+
+
+def _pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[str], results_path: Path | None) -> int:
+    command = [str(python), "-m", "pytest", *targets, f"--stackcheck-set={vset.name}", *extra]
+    if results_path:
+        command.append(f"--stackcheck-results={results_path}")
+    print("+", " ".join(command), flush=True)
+    return subprocess.call(command, cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+def _record_unbuildable(results_path: Path, vset: VersionSet, reason: str) -> None:
+    """A set whose environment cannot be built still gets a verdict in every family's cell."""
+    results.record_set(results_path, vset.name, {"env": "not built"})
+    for family in Ledger().families:
+        results.record_cell(
+            results_path,
+            {"set": vset.name, "family": family, "test": f"tests/families/test_{family}.py", "lane": "cpu",
+             "verdict": ERROR, "signature": f"environment not built: {reason}", "bug": None, "seconds": 0.0},
+        )
+
+
+def run_matrix(args) -> int:
+    sets = _selected(args)
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for vset in sets:
+        started = time.monotonic()
+        print(f"== set {vset.name}: {', '.join(f'{k} {v}' for k, v in vset.pins.items())}", flush=True)
+        try:
+            python = envs.build(vset, args.find_links, args.no_index)
+        except envs.EnvBuildError as exc:
+            _record_unbuildable(args.results, vset, str(exc))
+            failed.append(vset.name)
+            continue
+        print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
+        lane_started = time.monotonic()
+        code = _pytest(python, vset, ["tests/families"], ["-q", *args.pytest_args], args.results)
+        print(f"== set {vset.name}: pytest exit {code}, CPU lane {time.monotonic() - lane_started:.1f} s, "
+              f"with environment {time.monotonic() - started:.1f} s", flush=True)
+        if code not in (0, 1):  # 1 only means some cells are not `pass`; their verdicts are recorded
+            failed.append(vset.name)
+    print(f"wrote {args.results} and {args.results.with_suffix('.md')}")
+    if failed:
+        print(f"stackcheck: sets without a complete run: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def run_tests(args) -> int:
+    (vset,) = _selected(args)
+    python = envs.build(vset, args.find_links, args.no_index)
+    print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
+    return _pytest(python, vset, ["tests"], args.pytest_args, None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "matrix":
+            return run_matrix(args)
+        if args.command == "tests":
+            return run_tests(args)
+        if args.command == "versions":
+            for vset in _selected(args):
+                print(f"{vset.name}: " + ", ".join(f"{k} {v}" for k, v in vset.pins.items()))
+            return 0
+        print(refresh_latest())
+        return 0
+    except (UsageError, envs.EnvBuildError) as exc:
+        print(f"stackcheck: {exc}", file=sys.stderr)
+        return 2

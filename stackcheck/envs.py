@@ -1,0 +1,88 @@
+"""One virtual environment per version set: the pinned libraries over the platform's torch.
+
+uv builds them where it is installed (it is, wherever nox came with `nox[uv]`); plain venv + pip is the
+fallback for hosts without it, such as an air-gapped GPU machine installing from a wheelhouse.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from stackcheck.versions import UsageError, VersionSet
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENVS_DIR = REPO_ROOT / ".stackcheck" / "envs"
+# pip's find-links directory on this kind of machine holds the CPU torch wheel; uv does not look there.
+LOCAL_WHEEL_DIRS = [d for d in os.environ.get("STACKCHECK_WHEEL_DIRS", "/opt/wheels").split(os.pathsep) if d]
+
+
+class EnvBuildError(Exception):
+    """The set's environment could not be built (a dependency conflict, a missing wheel)."""
+
+
+def test_requirements() -> list[str]:
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    return pyproject["project"]["optional-dependencies"]["test"]
+
+
+def torch_source(vset: VersionSet) -> tuple[list[str], bool]:
+    """(requirements, inherit host site-packages). A set's own torch pin wins; otherwise the torch
+    already present is used: the host's (a GPU machine's CUDA build), else a local wheel."""
+    if "torch" in vset.pins:
+        return [vset.pins["torch"].requirement()], False
+    if importlib.util.find_spec("torch") is not None:
+        return [], True
+    wheels = sorted(w for d in LOCAL_WHEEL_DIRS for w in glob.glob(os.path.join(d, "torch-*.whl")))
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    wheels = [w for w in wheels if f"-{tag}-" in w]
+    if not wheels:
+        raise UsageError(
+            "no torch present: pin one with --with torch==VERSION, or point STACKCHECK_WHEEL_DIRS at a local torch wheel"
+        )
+    return [f"torch @ {Path(wheels[-1]).as_uri()}"], False
+
+
+def _run(command: list[str]) -> None:
+    print("+", " ".join(command), flush=True)
+    completed = subprocess.run(command)
+    if completed.returncode != 0:
+        raise EnvBuildError(f"`{' '.join(command[:3])} ...` exited with {completed.returncode}")
+
+
+def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False) -> Path:
+    """Create (or reuse, when its requirements are unchanged) the set's environment; return its python."""
+    torch_requirements, inherit = torch_source(vset)
+    requirements = torch_requirements + vset.requirements() + test_requirements()
+    env = ENVS_DIR / vset.slug
+    python = env / "bin" / "python"
+    stamp = env / "stackcheck-requirements.txt"
+    wanted = "\n".join(requirements + [f"inherit={inherit}", *find_links, f"no_index={no_index}"]) + "\n"
+    if python.exists() and stamp.exists() and stamp.read_text() == wanted:
+        return python
+    shutil.rmtree(env, ignore_errors=True)
+    index_args = [arg for link in find_links for arg in ("--find-links", link)] + (["--no-index"] if no_index else [])
+    uv = shutil.which("uv")
+    if uv:
+        _run([uv, "venv", "--quiet", "--python", sys.executable, *(["--system-site-packages"] if inherit else []), str(env)])
+        _run([uv, "pip", "install", "--quiet", "--python", str(python), *index_args, *requirements])
+    else:
+        _run([sys.executable, "-m", "venv", *(["--system-site-packages"] if inherit else []), str(env)])
+        _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *index_args, *requirements])
+    stamp.write_text(wanted)
+    return python
+
+
+def versions_in(python: Path) -> str:
+    """The versions the environment really has, printed first by every session."""
+    code = "from stackcheck.plugin import installed_versions as v; print(', '.join(f'{k} {x}' for k, x in v().items()))"
+    return subprocess.run(
+        [str(python), "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+    ).stdout.strip()

@@ -1,0 +1,56 @@
+"""Version sets and command-line pins: valid input resolves, bad input is one line and exit code 2."""
+
+import pytest
+
+from stackcheck import cli
+from stackcheck.versions import LIBRARIES, UsageError, load_sets, parse_pin, resolve
+
+
+def test_every_named_set_pins_every_library_exactly():
+    sets, default = load_sets()
+    assert {"seed", "latest"} <= set(sets) and default in sets
+    assert sets["seed"].requirements() == [
+        "transformers==5.6.2", "peft==0.19.1", "accelerate==1.13.0", "bitsandbytes==0.49.2"
+    ]
+    for vset in sets.values():
+        assert [pin.package for pin in vset.pins.values()] == list(LIBRARIES)
+
+
+def test_ad_hoc_set_is_a_base_set_plus_overrides(tmp_path):
+    wheel = tmp_path / "bitsandbytes-0.51.0.dev0-py3-none-any.whl"
+    wheel.touch()
+    (adhoc,) = resolve(["seed"], ["accelerate==1.14.0", f"bitsandbytes={wheel}", "peft@git+https://github.com/huggingface/peft@main"])
+    assert adhoc.name.startswith("seed+accelerate==1.14.0+")
+    assert adhoc.pins["accelerate"].requirement() == "accelerate==1.14.0"
+    assert adhoc.pins["bitsandbytes"].requirement() == f"bitsandbytes @ {wheel.as_uri()}"
+    assert adhoc.pins["peft"].requirement() == "peft @ git+https://github.com/huggingface/peft@main"
+    assert adhoc.pins["transformers"].requirement() == "transformers==5.6.2"
+
+
+@pytest.mark.parametrize(
+    "token, message",
+    [
+        ("peft", "bad pin 'peft'"),
+        ("peft==not.a.version!", "is not a valid version"),
+        ("numpy==2.0", "unknown package 'numpy'"),
+        ("peft=/no/such/path", "no such file or directory"),
+        ("peft@ftp:/x", "expected a URL"),
+    ],
+)
+def test_malformed_pins_name_the_bad_token(token, message):
+    with pytest.raises(UsageError, match=message):
+        parse_pin(token)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["versions", "--sets", "nosuchset"], "stackcheck: unknown set 'nosuchset' (valid sets: seed, latest)"),
+        (["versions", "--with", "peft==x.y!"], "stackcheck: bad pin 'peft==x.y!': 'x.y!' is not a valid version"),
+        (["matrix", "--sets", "seed,typo"], "stackcheck: unknown set 'typo' (valid sets: seed, latest)"),
+    ],
+)
+def test_user_errors_print_one_line_and_exit_2(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == message
