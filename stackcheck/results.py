@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from stackcheck.ledger import SEVERITY, Ledger
+from stackcheck.versions import load_sets
 
 CELL_KEYS = ("set", "family", "test", "lane", "verdict", "signature", "bug", "seconds")
 
@@ -75,7 +76,8 @@ def worst(verdicts: list[str]) -> str:
 
 def render_markdown(data: dict, ledger: Ledger | None = None) -> str:
     ledger = ledger or Ledger()
-    sets = list(data["sets"])
+    declared = list(load_sets()[0])  # named sets in sets.toml order, ad-hoc sets after them
+    sets = sorted(data["sets"], key=lambda name: (declared.index(name) if name in declared else len(declared), name))
     families = [f for f in ledger.families if any(c["family"] == f for c in data["cells"])]
     families += sorted({c["family"] for c in data["cells"]} - set(families))
     lines = ["# stackcheck matrix", ""]
