@@ -6,8 +6,8 @@ base, while a fresh bf16 base + the same adapter + merge restores parity. `dequa
 
 Upstream: peft#2321 (closed: rounding in 4-bit merges is inherent), the seed thread for the dequantize path.
 
-Precondition proven: the adapter changes the logits (so parity is not trivially true), and the base
-really is 4-bit (or bf16 for the control).
+Precondition proven: the adapter changes the logits (so parity is not trivially true), the base
+really is 4-bit (or bf16 for the control), and `dequantize()` really removed every bnb Linear4bit.
 
 Tolerance: the merged model must keep the adapter's effect, i.e. ||merged - adapter|| <= 10% of
 ||adapter - base|| on the prompt's logits, and produce the same greedy tokens. Measured on the tiny model:
@@ -59,5 +59,6 @@ def test_merge_into_bf16_base_reproduces_adapter_outputs(prompt):
 def test_dequantize_then_merge_reproduces_adapter_outputs(prompt):
     model, base_logits, adapter_logits, adapter_tokens = adapter_outputs(True, prompt)
     model.dequantize()
+    scenario.require(not scenario.linear4bit_modules(model), "dequantize() left bnb Linear4bit modules in place")
     merged = model.merge_and_unload()
     assert_merge_parity("dequantized", merged, prompt, base_logits, adapter_logits, adapter_tokens)

@@ -73,3 +73,8 @@ def test_broken_fixture_makes_family_tests_error_not_pass(tmp_path):
     for cell in cells:
         assert cell["verdict"] == "error", cell
         assert "scenario not reached" in cell["signature"]
+
+
+def test_dequantize_guard_sees_the_4bit_layers_it_must_remove():
+    model = scenario.peft_load(scenario.load_base(), "language")
+    assert scenario.linear4bit_modules(model), "a 4-bit PEFT model must show bnb Linear4bit modules to the guard"
