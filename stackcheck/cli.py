@@ -9,11 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-from stackcheck import envs, results
+from stackcheck import REPO_ROOT, envs, results
 from stackcheck.ledger import ERROR, Ledger
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
 
-REPO_ROOT = envs.REPO_ROOT
 DEFAULT_RESULTS = REPO_ROOT / "results" / "matrix.json"
 
 
@@ -116,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             for vset in _selected(args):
                 print(f"{vset.name}: " + ", ".join(f"{k} {v}" for k, v in vset.pins.items()))
             return 0
-        print(refresh_latest())
-        return 0
+        if args.command == "refresh-latest":
+            print(refresh_latest())
+            return 0
+        raise AssertionError(f"unhandled command {args.command}")  # argparse only accepts the commands above
     except (UsageError, envs.EnvBuildError) as exc:
         print(f"stackcheck: {exc}", file=sys.stderr)
         return 2

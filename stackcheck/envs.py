@@ -15,9 +15,9 @@ import sys
 import tomllib
 from pathlib import Path
 
+from stackcheck import REPO_ROOT
 from stackcheck.versions import UsageError, VersionSet
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 ENVS_DIR = REPO_ROOT / ".stackcheck" / "envs"
 # pip's find-links directory on this kind of machine holds the CPU torch wheel; uv does not look there.
 LOCAL_WHEEL_DIRS = [d for d in os.environ.get("STACKCHECK_WHEEL_DIRS", "/opt/wheels").split(os.pathsep) if d]

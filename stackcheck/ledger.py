@@ -12,6 +12,8 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from stackcheck import REPO_ROOT
+
 LEDGER_FILE = Path(__file__).with_name("ledger.toml")
 
 PASS, KNOWN_BUG, NEW_FAILURE, FIXED, ERROR, SKIPPED = "pass", "known_bug", "new_failure", "fixed", "error", "skipped"
@@ -87,7 +89,7 @@ def _short_path(filename: str) -> str:
     for marker in ("site-packages/", "dist-packages/"):
         if marker in path:
             return path.split(marker, 1)[1]
-    root = str(Path(__file__).resolve().parents[1]).replace("\\", "/") + "/"
+    root = str(REPO_ROOT).replace("\\", "/") + "/"
     return path[len(root) :] if path.startswith(root) else path
 
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from stackcheck import results
-from stackcheck.ledger import ERROR, FIXED, KNOWN_BUG, PASS, SKIPPED, Failure, Ledger
+from stackcheck import REPO_ROOT, results
+from stackcheck.ledger import ERROR, FIXED, KNOWN_BUG, SKIPPED, Failure, Ledger, Verdict
 from stackcheck.scenario import ScenarioNotReached
 from stackcheck.versions import PACKAGES
 
-FAMILIES_DIR = Path(__file__).resolve().parents[1] / "tests" / "families"
+FAMILIES_DIR = REPO_ROOT / "tests" / "families"
 CELL_KEY = "stackcheck_cell"
 
 
@@ -110,8 +110,6 @@ def _is_final_phase(report: pytest.TestReport) -> bool:
 
 
 def _judge(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport, family: str):
-    from stackcheck.ledger import Verdict
-
     if report.skipped and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         return Verdict(SKIPPED, note=reason)

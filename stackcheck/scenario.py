@@ -96,22 +96,26 @@ def quant_state_devices(module: torch.nn.Module) -> set[str]:
     return {t.device.type for t in tensors}
 
 
+def dispatch_with_offload(model, offload_dir: Path, offloaded_module: str):
+    """accelerate's `dispatch_model` as transformers calls it (with `skip_keys`): `offloaded_module` on the
+    offload device, everything else on the main device."""
+    from accelerate import dispatch_model
+
+    main = main_device()
+    device_map = {offloaded_module: offload_device(main), "": device_key(main)}
+    return dispatch_model(
+        model, device_map=device_map, offload_dir=str(offload_dir), skip_keys=model._skip_keys_device_placement
+    )
+
+
 def split_dispatch(model, offload_dir: Path):
     """Dispatch the loaded base across devices like the seed's split device map.
 
     The seed keeps the (unquantized) multimodal towers off the GPU. Here the per-layer embedding table,
     which bitsandbytes never quantizes, goes one level down; that gives the base an `hf_device_map`
-    with an offloaded entry, which is what makes PEFT redispatch. transformers' own dispatch passes
-    `skip_keys`, so we do too.
+    with an offloaded entry, which is what makes PEFT redispatch.
     """
-    from accelerate import dispatch_model
-
-    main = main_device()
-    target = offload_device(main)
-    device_map = {"model.language_model.embed_tokens_per_layer": target, "": device_key(main)}
-    return dispatch_model(
-        model, device_map=device_map, offload_dir=str(offload_dir), skip_keys=model._skip_keys_device_placement
-    )
+    return dispatch_with_offload(model, offload_dir, "model.language_model.embed_tokens_per_layer")
 
 
 def memory_pressure(model, fraction: float = 0.5) -> dict:

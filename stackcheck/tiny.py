@@ -14,7 +14,8 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from stackcheck import REPO_ROOT
+
 # A harness test points this elsewhere to break a precondition on purpose.
 FIXTURES_DIR = Path(os.environ.get("STACKCHECK_FIXTURES", REPO_ROOT / "fixtures"))
 SEED = 0
@@ -24,10 +25,6 @@ def _fixture(name: str) -> dict:
     data = json.loads((FIXTURES_DIR / name).read_text())
     data.pop("_comment", None)
     return data
-
-
-def adapter_names() -> list[str]:
-    return sorted(_fixture("adapters.json"))
 
 
 def adapter_spec(name: str) -> dict:
@@ -95,10 +92,11 @@ def adapter_checkpoint(name: str) -> Path:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    spec = _fixture("adapters.json")[name]
+    tiny_adapters = _fixture("adapters.json")
+    spec = tiny_adapters[name]
 
     def build(out: Path) -> None:
-        weights_spec = _fixture("adapters.json")[spec.get("weights_from", name)]
+        weights_spec = tiny_adapters[spec.get("weights_from", name)]
         torch.manual_seed(SEED + 1)
         config = LoraConfig(r=4, lora_alpha=8, target_modules=weights_spec["target_modules"], init_lora_weights=False)
         model = get_peft_model(_new_base_model(), config)
@@ -113,13 +111,3 @@ def adapter_checkpoint(name: str) -> Path:
 
     return _build_once(_cache_dir() / f"adapter-{name}", build)
 
-
-def build_all() -> dict[str, Path]:
-    paths = {"base": base_checkpoint()}
-    paths.update({f"adapter-{name}": adapter_checkpoint(name) for name in adapter_names()})
-    return paths
-
-
-if __name__ == "__main__":
-    for label, path in build_all().items():
-        print(f"{label}: {path}")

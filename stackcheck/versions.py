@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
@@ -40,7 +40,6 @@ class VersionSet:
     name: str
     pins: dict[str, Pin]
     description: str = ""
-    overrides: tuple[str, ...] = field(default=())
 
     def requirements(self) -> list[str]:
         return [pin.requirement() for pin in self.pins.values()]
@@ -108,7 +107,6 @@ def resolve(names: list[str] | None = None, overrides: list[str] | None = None) 
             vset,
             name=vset.name + "+" + "+".join(overrides),
             pins={**vset.pins, **{pin.package: pin for pin in pins}},
-            overrides=tuple(overrides),
         )
         for vset in chosen
     ]

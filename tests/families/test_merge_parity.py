@@ -14,9 +14,6 @@ Tolerance: the merged model must keep the adapter's effect, i.e. ||merged - adap
 the bf16 merge lands at about 2.5% (bf16 rounding of W + dW), the 4-bit merge at about 36% (NF4
 re-quantization); 10% sits four times above the bf16 floor and far below the 4-bit loss.
 """
-
-import torch
-
 from stackcheck import scenario
 
 RELATIVE_TOLERANCE = 0.10

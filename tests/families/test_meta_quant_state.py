@@ -14,7 +14,6 @@ Precondition proven: the module is a `Linear4bit` with nested quant state; after
 quant state is on meta; after PEFT's redispatch 4-bit modules really sit on the offload device.
 """
 
-from accelerate import dispatch_model
 from accelerate.utils import set_module_tensor_to_device
 
 from stackcheck import scenario
@@ -46,11 +45,8 @@ def test_peft_load_on_split_4bit_base_under_memory_pressure(offload_dir, prompt)
 def test_offloaded_4bit_layer_forward(offload_dir, prompt):
     """A 4-bit layer dispatched to the offload device must come back with its quant state at forward."""
     reference = scenario.greedy(scenario.load_base(), prompt)
-    base = scenario.load_base()
-    main = scenario.main_device()
-    device_map = {"model.language_model.layers.5.mlp": scenario.offload_device(main), "": scenario.device_key(main)}
 
-    model = dispatch_model(base, device_map=device_map, offload_dir=str(offload_dir), skip_keys=base._skip_keys_device_placement)
-    scenario.require_offloaded_linear4bit(model, scenario.offload_device(main))
+    model = scenario.dispatch_with_offload(scenario.load_base(), offload_dir, "model.language_model.layers.5.mlp")
+    scenario.require_offloaded_linear4bit(model, scenario.offload_device(scenario.main_device()))
 
     assert scenario.greedy(model, prompt) == reference

@@ -22,7 +22,6 @@ from stackcheck import scenario
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "nf4"])
 def test_generate_after_peft_redispatch_matches_undispatched(quantized, offload_dir, prompt):
-    scenario.shared_kv_layers(scenario.load_base(quantized=False))
     undispatched = scenario.peft_load(scenario.load_base(quantized=quantized), "language")
     reference_logits, reference_tokens = scenario.logits(undispatched, prompt), scenario.greedy(undispatched, prompt)
     base = scenario.split_dispatch(scenario.load_base(quantized=quantized), offload_dir / "base")

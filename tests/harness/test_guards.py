@@ -5,15 +5,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from stackcheck import scenario, tiny
+from stackcheck import REPO_ROOT, scenario, tiny
 from stackcheck.scenario import ScenarioNotReached
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_linear4bit_guard_fires_on_a_bf16_model():
