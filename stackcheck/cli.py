@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, envs, results
+from stackcheck import REPO_ROOT, envs, results, wheelhouse
 from stackcheck.ledger import ERROR, Ledger
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
 
@@ -29,10 +29,11 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--find-links", action="append", default=[], metavar="DIR", help="extra wheel folder")
         cmd.add_argument("--no-index", action="store_true", help="install only from --find-links folders")
 
-    matrix = commands.add_parser("matrix", help="run the family tests of each set and write the report")
-    add_set_options(matrix, many=True)
-    matrix.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="matrix.json to write")
-    matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
+    for name, what in (("matrix", "the CPU lane of every family"), ("gpu-matrix", "the GPU and CPU lanes of every family")):
+        matrix = commands.add_parser(name, help=f"run {what} on each set and write the report")
+        add_set_options(matrix, many=True)
+        matrix.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="matrix.json to write")
+        matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
 
     tests = commands.add_parser("tests", help="the harness's own tests plus the CPU lane on one set")
     add_set_options(tests, many=False)
@@ -40,6 +41,14 @@ def _parser() -> argparse.ArgumentParser:
 
     versions = commands.add_parser("versions", help="print the resolved pins of each set")
     add_set_options(versions, many=True)
+
+    house = commands.add_parser("wheelhouse", help="download the wheels the sets need, for an offline target")
+    add_set_options(house, many=True)
+    house.add_argument("--dest", type=Path, default=REPO_ROOT / "wheelhouse", help="folder to fill")
+    house.add_argument("--python-version", default="3.12", help="the target's Python (default: 3.12)")
+    house.add_argument("--platform", dest="platforms", action="append", help="wheel platform tag (default: manylinux x86-64)")
+    house.add_argument("--cuda", help="keep only this CUDA build of the bitsandbytes binaries, e.g. 130 for CUDA 13.0")
+    house.add_argument("--host-freeze", type=Path, help="the target's `pip list --format=freeze`: leave out what it has")
 
     commands.add_parser("refresh-latest", help="re-pin the `latest` set to the newest releases")
     return parser
@@ -72,7 +81,12 @@ def _record_unbuildable(results_path: Path, vset: VersionSet, reason: str) -> No
 
 
 def run_matrix(args) -> int:
+    """`matrix` runs the CPU lane; `gpu-matrix` both lanes, and fails when no GPU cell really ran."""
+    gpu = args.command == "gpu-matrix"
+    if gpu:
+        print(f"== device: {envs.cuda_device()}", flush=True)
     sets = _selected(args)
+    lanes = ["gpu", "cpu"] if gpu else ["cpu"]
     args.results.parent.mkdir(parents=True, exist_ok=True)
     failed = []
     for vset in sets:
@@ -85,11 +99,16 @@ def run_matrix(args) -> int:
             failed.append(vset.name)
             continue
         print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
+        results.forget_cells(args.results, vset.name, lanes)  # a re-run replaces the set's cells in these lanes
         lane_started = time.monotonic()
-        code = _pytest(python, vset, ["tests/families"], ["-q", *args.pytest_args], args.results)
-        print(f"== set {vset.name}: pytest exit {code}, CPU lane {time.monotonic() - lane_started:.1f} s, "
+        selection = [] if gpu else ["-m", "not gpu"]
+        code = _pytest(python, vset, ["tests/families"], ["-q", *selection, *args.pytest_args], args.results)
+        print(f"== set {vset.name}: pytest exit {code}, {'+'.join(lanes)} lanes {time.monotonic() - lane_started:.1f} s, "
               f"with environment {time.monotonic() - started:.1f} s", flush=True)
         if code not in (0, 1):  # 1 only means some cells are not `pass`; their verdicts are recorded
+            failed.append(vset.name)
+        elif gpu and not results.ran_in_lane(args.results, vset.name, "gpu"):
+            print(f"stackcheck: set {vset.name}: every GPU cell was skipped or missing", file=sys.stderr)
             failed.append(vset.name)
     print(f"wrote {args.results} and {args.results.with_suffix('.md')}")
     if failed:
@@ -104,11 +123,22 @@ def run_tests(args) -> int:
     return _pytest(python, vset, ["tests"], args.pytest_args, None)
 
 
+def run_wheelhouse(args) -> int:
+    platforms = args.platforms or wheelhouse.MANYLINUX_X86_64
+    manifest = wheelhouse.build(_selected(args), args.dest, args.python_version, platforms, args.cuda, args.host_freeze)
+    for name, entry in manifest["sets"].items():
+        print(f"{name}: {len(entry['wheels'])} wheels, {entry['mib']} MiB: {', '.join(entry['wheels'])}")
+    print(f"wrote {args.dest} ({manifest['mib']} MiB in all) and its {wheelhouse.MANIFEST}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "matrix":
+        if args.command in ("matrix", "gpu-matrix"):
             return run_matrix(args)
+        if args.command == "wheelhouse":
+            return run_wheelhouse(args)
         if args.command == "tests":
             return run_tests(args)
         if args.command == "versions":
