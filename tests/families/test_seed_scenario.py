@@ -21,6 +21,10 @@ from transformers import Gemma4ForConditionalGeneration
 
 from stackcheck import scenario, tiny
 
+# The cached and the full forward run the same bf16 kernels on different shapes; measured on the tiny model
+# (CPU, both sets) the error is 0, so 1% leaves room for GPU kernel choices and catches a wrong cache.
+CACHE_TOLERANCE = 0.01
+
 
 def test_seed_device_map_names_existing_modules():
     with torch.device("meta"):
@@ -41,9 +45,9 @@ def test_all_gpu_4bit_peft_generate(prompt):
     model = scenario.peft_load(base, "language")
 
     scenario.require_adapter_changes(scenario.logits(model, prompt), base_logits, "the language model")
-    cached = scenario.greedy(model, prompt)
-    assert len(cached) == 6
-    assert cached == scenario.greedy(model, prompt, use_cache=False), "generate with the KV cache diverges from without"
+    assert len(scenario.greedy(model, prompt)) == 6
+    error = scenario.cache_consistency_error(model, prompt)
+    assert error <= CACHE_TOLERANCE, f"generate's KV-cache logits diverge from a full forward: relative error {error:.4f}"
 
 
 @pytest.mark.gpu
