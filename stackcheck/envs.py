@@ -32,12 +32,20 @@ def test_requirements() -> list[str]:
     return pyproject["project"]["optional-dependencies"]["test"]
 
 
+def _base_interpreter_has_torch() -> bool:
+    """--system-site-packages shows a new env the base interpreter's packages, never those of the venv
+    running this code (a dev venv, or a set's env running the harness tests): torch found only there
+    does not count, or uv would fetch another torch from the index."""
+    spec = importlib.util.find_spec("torch")
+    return spec is not None and (sys.prefix == sys.base_prefix or not spec.origin.startswith(sys.prefix))
+
+
 def torch_source(vset: VersionSet) -> tuple[list[str], bool]:
     """(requirements, inherit host site-packages). A set's own torch pin wins; otherwise the torch
     already present is used: the host's (a GPU machine's CUDA build), else a local wheel."""
     if "torch" in vset.pins:
         return [vset.pins["torch"].requirement()], False
-    if importlib.util.find_spec("torch") is not None:
+    if _base_interpreter_has_torch():
         return [], True
     wheels = sorted(w for d in LOCAL_WHEEL_DIRS for w in glob.glob(os.path.join(d, "torch-*.whl")))
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
