@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from stackcheck import REPO_ROOT
 from stackcheck.ledger import SEVERITY, Ledger
-from stackcheck.versions import load_sets
+from stackcheck.versions import UsageError, load_sets
 
 CELL_KEYS = ("set", "family", "test", "lane", "verdict", "signature", "bug", "seconds")
+# What a verdict means besides the libraries: the ledger, and the family tests with what they build and run.
+DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/scenario.py", "stackcheck/tiny.py", "fixtures/*", "tests/families/*.py")
+
+
+def fingerprint() -> str:
+    """Digest of the family definitions, stored in matrix.json so results of different ones never merge."""
+    digest = hashlib.sha256()
+    for path in sorted(p for pattern in DEFINITION_FILES for p in REPO_ROOT.glob(pattern)):
+        digest.update(f"{path.relative_to(REPO_ROOT)}\0".encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def empty() -> dict:
@@ -38,13 +51,28 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def save(path: Path, data: dict) -> None:
+    write_json(path, data)
     _write_atomic(path.with_suffix(".md"), render_markdown(data))
 
 
 def merge_into(target: dict, incoming: dict) -> dict:
-    """Add `incoming` to `target`; a cell with the same (set, lane, test) replaces the older one."""
+    """Add `incoming` to `target`; a cell with the same (set, lane, test) replaces the older one.
+
+    A whole results file carries the fingerprint of its family definitions, and only merges into results
+    of the same ones; a cells-only update (no fingerprint key) adds to whatever the target is."""
+    if "fingerprint" in incoming:
+        if (target["sets"] or target["cells"]) and target.get("fingerprint") != incoming["fingerprint"]:
+            raise ValueError(
+                f"results of different family definitions (fingerprint {target.get('fingerprint')} vs "
+                f"{incoming['fingerprint']}): run every set from the same checkout"
+            )
+        target["fingerprint"] = incoming["fingerprint"]
     for name, versions in incoming["sets"].items():
         if name in target["sets"] and target["sets"][name] != versions:
             raise ValueError(f"set '{name}' was run with different versions: {target['sets'][name]} vs {versions}")
@@ -59,6 +87,13 @@ def merge_into(target: dict, incoming: dict) -> dict:
 def record_set(path: Path, name: str, versions: dict[str, str], device: str | None = None) -> None:
     with _locked(path):
         data = load(path)
+        current = fingerprint()
+        if data.get("fingerprint", current) != current:
+            stale = path.with_name(f"{path.stem}.stale-{data['fingerprint']}.json")
+            os.replace(path, stale)
+            print(f"stackcheck: {path} held results of other family definitions; moved to {stale}", file=sys.stderr)
+            data = empty()
+        data["fingerprint"] = current
         data["sets"][name] = dict(versions, **({"device": device} if device else {}))
         save(path, data)
 
@@ -68,6 +103,26 @@ def record_cell(path: Path, cell: dict) -> None:
         data = load(path)
         merge_into(data, {"sets": {}, "cells": [{k: cell.get(k) for k in CELL_KEYS} | cell]})
         save(path, data)
+
+
+def merge_files(inputs: list[Path], output: Path) -> dict:
+    """Merge per-job matrix.json files into `output` (and its matrix.md). Idempotent: a file given twice,
+    or the merge run again, changes nothing."""
+    merged = empty()
+    for path in inputs:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot read {path}: {exc}") from None
+        if not isinstance(data, dict) or not {"sets", "cells"} <= data.keys():
+            raise UsageError(f"{path} is not a stackcheck matrix.json")
+        data.setdefault("fingerprint", None)  # a file from before fingerprints never merges with one after
+        try:
+            merge_into(merged, data)
+        except ValueError as exc:
+            raise UsageError(f"cannot merge {path}: {exc}") from None
+    save(output, merged)
+    return merged
 
 
 def worst(verdicts: list[str]) -> str:

@@ -22,7 +22,7 @@ def test_each_cell_is_on_disk_as_soon_as_it_is_recorded(tmp_path):
     results.record_cell(path, cell("t2", "pass"))
     data = json.loads(path.read_text())
     assert {c["test"] for c in data["cells"]} == {"t1", "t2"}
-    assert set(data) == {"sets", "cells"} and data["sets"]["seed"]["transformers"] == "5.6.2"
+    assert set(data) == {"sets", "cells", "fingerprint"} and data["sets"]["seed"]["transformers"] == "5.6.2"
     assert set(results.CELL_KEYS) <= set(data["cells"][0])
     markdown = path.with_suffix(".md").read_text()
     assert "| shared_kv_redispatch | **known_bug** [shared_kv_redispatch]" in markdown
