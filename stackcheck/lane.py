@@ -25,10 +25,11 @@ def family_targets(families: list[str] | None) -> list[str]:
 
 def one_test(node_id: str) -> tuple[str, str]:
     """(family, node id) of one family test given as `tests/families/test_<family>.py::<test>`."""
-    module, separator, name = node_id.partition("::")
-    family = Path(module).stem.removeprefix("test_")
-    if not separator or not name or module != family_targets([family])[0]:
+    module, _, name = node_id.partition("::")
+    if not name or Path(module).parent != Path("tests/families") or not Path(module).name.startswith("test_"):
         raise UsageError(f"'{node_id}' is not a family test id such as tests/families/test_<family>.py::<test>")
+    family = Path(module).stem.removeprefix("test_")
+    family_targets([family])  # an unknown family is a usage error
     return family, node_id
 
 
