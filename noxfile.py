@@ -45,7 +45,7 @@ SET_NAMES = list(load_sets()[0])
 @nox.session(venv_backend="none")
 @nox.parametrize("set_name", SET_NAMES, ids=SET_NAMES)
 def matrix_set(session: nox.Session, set_name: str) -> None:
-    """One set's CPU lane (one CI job each: `nox --list --json` lists them); writes results/matrix.{json,md}."""
+    """One set's CPU lane (one CI job each: `nox --list --json -s matrix_set` lists them); writes results/matrix.{json,md}."""
     _run("matrix", session, "--sets", set_name)
 
 
