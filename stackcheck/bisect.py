@@ -186,6 +186,13 @@ class Bisection:
         return self.record
 
     def run(self) -> dict:
+        try:
+            return self._run()
+        except BaseException as exc:  # the probes so far stay on disk, with why the run stopped
+            self._finish(f"stopped: {exc.__class__.__name__}: {exc}")
+            raise
+
+    def _run(self) -> dict:
         """Verify both endpoints (and re-run the newer, which flips from the older), then search."""
         good, bad = (self.candidates[-1], self.candidates[0]) if self.good_is_newer else (self.candidates[0], self.candidates[-1])
         good_probe = self._probe(good, 1)

@@ -124,6 +124,22 @@ def test_an_untestable_endpoint_ends_the_run():
     assert record["status"].startswith("the bad endpoint 1.10.0 is untestable") and record["answer"] is None
 
 
+def test_a_crash_keeps_the_finished_probes_on_disk(tmp_path):
+    output = tmp_path / "bisect.json"
+    outcomes = {v: [KNOWN] if Version(v) < Version("1.14.0") else [PASSED] for v in RELEASES}
+    run_cells, _calls = scripted(outcomes)
+
+    def crash_in_the_search(candidate):
+        if candidate.label == "1.14.0":
+            raise RuntimeError("disk full")
+        return run_cells(candidate)
+
+    with pytest.raises(RuntimeError):
+        Bisection(candidates(*RELEASES), True, crash_in_the_search, {}, output).run()
+    written = json.loads(output.read_text())
+    assert written["status"] == "stopped: RuntimeError: disk full" and len(written["probes"]) == 3
+
+
 def test_release_candidates_are_ordered_by_packaging_between_the_endpoints():
     listed = [Version(v) for v in ["1.9.0", "1.10.0", "1.2.0", "1.11.0", "1.13.0"]]
     found = release_candidates("accelerate", Version("1.11.0"), Version("1.9.0"), listed)
