@@ -37,7 +37,7 @@ def _base_interpreter_has_torch() -> bool:
     running this code (a dev venv, or a set's env running the harness tests): torch found only there
     does not count, or uv would fetch another torch from the index."""
     spec = importlib.util.find_spec("torch")
-    return spec is not None and (sys.prefix == sys.base_prefix or not spec.origin.startswith(sys.prefix))
+    return spec is not None and (sys.prefix == sys.base_prefix or not Path(spec.origin).is_relative_to(sys.prefix))
 
 
 def torch_source(vset: VersionSet) -> tuple[list[str], bool]:
