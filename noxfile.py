@@ -9,13 +9,14 @@ import nox
 
 sys.path.insert(0, str(Path(__file__).parent))
 from stackcheck import cli  # noqa: E402
+from stackcheck.versions import load_sets  # noqa: E402
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "uv"
 
 
-def _run(command: str, session: nox.Session) -> None:
-    code = cli.main([command, *session.posargs])
+def _run(command: str, session: nox.Session, *args: str) -> None:
+    code = cli.main([command, *args, *session.posargs])
     if code:
         raise SystemExit(code)  # keeps the CLI's exit code (2 for a usage error) and its one-line message
 
@@ -48,3 +49,31 @@ def wheelhouse(session: nox.Session) -> None:
 def versions(session: nox.Session) -> None:
     """Print each set's pins."""
     _run("versions", session)
+
+
+SET_NAMES = list(load_sets()[0])
+
+
+@nox.session(venv_backend="none")
+@nox.parametrize("set_name", SET_NAMES, ids=SET_NAMES)
+def matrix_set(session: nox.Session, set_name: str) -> None:
+    """One set's CPU lane (one CI job each: `nox --list --json -s matrix_set` lists them); writes results/matrix.{json,md}."""
+    _run("matrix", session, "--sets", set_name)
+
+
+@nox.session(venv_backend="none")
+def merge(session: nox.Session) -> None:
+    """Merge per-job matrix.json files: `-- a/matrix.json b/matrix.json [--output results/matrix.json]`."""
+    _run("merge", session)
+
+
+@nox.session(venv_backend="none")
+def bisect(session: nox.Session) -> None:
+    """First release where a family flips: `-- accelerate --good 1.15.0 --bad 1.13.0 --family params4bit_kwargs`."""
+    _run("bisect", session)
+
+
+@nox.session(venv_backend="none")
+def gate(session: nox.Session) -> None:
+    """Baseline set vs candidate set: `-- --set seed --with accelerate==1.14.0`; non-zero on a regression."""
+    _run("gate", session)

@@ -51,6 +51,29 @@ def _parser() -> argparse.ArgumentParser:
     house.add_argument("--host-freeze", type=Path, help="the target's `pip list --format=freeze`: leave out what it has")
 
     commands.add_parser("refresh-latest", help="re-pin the `latest` set to the newest releases")
+
+    bisect = commands.add_parser("bisect", help="first release (or commit) of a package where a family's verdicts flip")
+    bisect.add_argument("package", help="the package to bisect; the others stay pinned to --set")
+    bisect.add_argument("--good", required=True, help="a release (or, with --git, a commit) giving the good verdicts")
+    bisect.add_argument("--bad", required=True, help="a release (or commit) giving the bad verdicts, older or newer")
+    what = bisect.add_mutually_exclusive_group(required=True)
+    what.add_argument("--family", help="the family whose tests decide")
+    what.add_argument("--test", help="one family test id: tests/families/test_<family>.py::<test>")
+    add_set_options(bisect, many=False)
+    bisect.add_argument("--candidates", help="comma-separated releases to search instead of the package index's")
+    bisect.add_argument("--pre", action="store_true", help="include pre-releases from the package index")
+    bisect.add_argument("--git", type=Path, metavar="CLONE", help="search the commits of a local clone between --good and --bad")
+    bisect.add_argument("--output", type=Path, help="json to write (default: results/bisect-<package>-<family>.json)")
+
+    gate = commands.add_parser("gate", help="fail when a candidate set regresses a family against a baseline set")
+    add_set_options(gate, many=False)  # --set is the baseline; --with bumps the candidate
+    gate.add_argument("--candidate", help="candidate set name (default: the baseline set, with the --with pins)")
+    gate.add_argument("--families", help="comma-separated families (default: all)")
+    gate.add_argument("--output", type=Path, default=REPO_ROOT / "results" / "gate", help="folder for matrix.json and summary.md")
+
+    merge = commands.add_parser("merge", help="merge per-job matrix.json files into one matrix.json and matrix.md")
+    merge.add_argument("inputs", nargs="+", type=Path, help="matrix.json files")
+    merge.add_argument("--output", type=Path, default=DEFAULT_RESULTS, help="merged matrix.json to write")
     return parser
 
 
@@ -147,6 +170,19 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "refresh-latest":
             print(refresh_latest())
+            return 0
+        if args.command == "bisect":
+            from stackcheck import bisect  # imported on use: it runs pytest through this module's _pytest
+
+            return bisect.run(args)
+        if args.command == "gate":
+            from stackcheck import gate  # likewise
+
+            return gate.run(args)
+        if args.command == "merge":
+            merged = results.merge_files(args.inputs, args.output)
+            print(f"merged {len(args.inputs)} files ({len(merged['sets'])} sets, {len(merged['cells'])} cells) "
+                  f"into {args.output} and {args.output.with_suffix('.md')}")
             return 0
         raise AssertionError(f"unhandled command {args.command}")  # argparse only accepts the commands above
     except (UsageError, envs.EnvBuildError) as exc:

@@ -6,10 +6,14 @@ that passes where the ledger says it should not (`fixed`: update the ledger).
 
 Every family test runs in two lanes, `[cpu]` and `[gpu]`; a test marked `gpu` runs in the GPU lane only.
 The lane decides `scenario.main_device()`, so the CPU lane means the same on a GPU host as in CI.
+
+Under pytest-xdist (`-n N`) on a GPU host, each worker is pinned to one GPU (round robin over the visible
+ones) through CUDA_VISIBLE_DEVICES, set before anything in the worker initialises CUDA.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 from importlib import metadata
 from pathlib import Path
@@ -23,6 +27,7 @@ from stackcheck.versions import PACKAGES
 
 FAMILIES_DIR = REPO_ROOT / "tests" / "families"
 CELL_KEY = "stackcheck_cell"
+WORKER_GPU_KEY = "stackcheck_cuda_visible_devices"
 
 
 def installed_versions() -> dict[str, str]:
@@ -54,7 +59,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--stackcheck-results", default=None, help="matrix.json to record each cell in")
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this run may use: CUDA_VISIBLE_DEVICES when set, else every device torch counts."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [gpu.strip() for gpu in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if gpu.strip()]
+    import torch
+
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: the controller calls it for each worker it starts
+def pytest_configure_node(node) -> None:
+    gpus = visible_gpus()
+    if gpus:
+        worker = int(node.workerinput["workerid"].removeprefix("gw"))
+        node.workerinput[WORKER_GPU_KEY] = gpus[worker % len(gpus)]
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if WORKER_GPU_KEY in getattr(config, "workerinput", {}):
+        os.environ["CUDA_VISIBLE_DEVICES"] = config.workerinput[WORKER_GPU_KEY]
     config.stackcheck_ledger = Ledger()
     config.stackcheck_versions = installed_versions()
     path = config.getoption("--stackcheck-results")

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from stackcheck import REPO_ROOT
 from stackcheck.ledger import SEVERITY, SKIPPED, Ledger
-from stackcheck.versions import load_sets
+from stackcheck.versions import UsageError, load_sets
 
 LANES = ("gpu", "cpu")
 CELL_KEYS = ("set", "family", "test", "lane", "verdict", "signature", "bug", "seconds")
+# What a verdict means besides the libraries: the ledger, and the family tests with what they build and run.
+DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/scenario.py", "stackcheck/tiny.py", "fixtures/*.json", "tests/families/*.py")
+
+
+def fingerprint() -> str:
+    """Digest of the family definitions, stored in matrix.json so results of different ones never merge."""
+    digest = hashlib.sha256()
+    for path in sorted(p for pattern in DEFINITION_FILES for p in REPO_ROOT.glob(pattern) if p.is_file()):
+        digest.update(f"{path.relative_to(REPO_ROOT)}\0".encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def empty() -> dict:
@@ -39,13 +52,28 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def save(path: Path, data: dict) -> None:
+    write_json(path, data)
     _write_atomic(path.with_suffix(".md"), render_markdown(data))
 
 
 def merge_into(target: dict, incoming: dict) -> dict:
-    """Add `incoming` to `target`; a cell with the same (set, lane, test) replaces the older one."""
+    """Add `incoming` to `target`; a cell with the same (set, lane, test) replaces the older one.
+
+    A whole results file carries the fingerprint of its family definitions, and only merges into results
+    of the same ones; a cells-only update (no fingerprint key) adds to whatever the target is."""
+    if "fingerprint" in incoming:
+        if (target["sets"] or target["cells"]) and target.get("fingerprint") != incoming["fingerprint"]:
+            raise ValueError(
+                f"results of different family definitions (fingerprint {target.get('fingerprint')} vs "
+                f"{incoming['fingerprint']}): run every set from the same checkout"
+            )
+        target["fingerprint"] = incoming["fingerprint"]
     for name, versions in incoming["sets"].items():
         if name in target["sets"] and target["sets"][name] != versions:
             raise ValueError(f"set '{name}' was run with different versions: {target['sets'][name]} vs {versions}")
@@ -60,6 +88,13 @@ def merge_into(target: dict, incoming: dict) -> dict:
 def record_set(path: Path, name: str, versions: dict[str, str], device: str | None = None) -> None:
     with _locked(path):
         data = load(path)
+        current = fingerprint()
+        if data.get("fingerprint", current) != current:
+            stale = path.with_name(f"{path.stem}.stale-{data['fingerprint']}.json")
+            os.replace(path, stale)
+            print(f"stackcheck: {path} held results of other family definitions; moved to {stale}", file=sys.stderr)
+            data = empty()
+        data["fingerprint"] = current
         data["sets"][name] = dict(versions, **({"device": device} if device else {}))
         save(path, data)
 
@@ -82,6 +117,26 @@ def forget_cells(path: Path, set_name: str, lanes: list[str]) -> None:
 def ran_in_lane(path: Path, set_name: str, lane: str) -> bool:
     """Whether at least one of the set's cells in `lane` ran to a verdict (was not skipped)."""
     return any(c["set"] == set_name and c["lane"] == lane and c["verdict"] != SKIPPED for c in load(path)["cells"])
+
+
+def merge_files(inputs: list[Path], output: Path) -> dict:
+    """Merge per-job matrix.json files into `output` (and its matrix.md). Idempotent: a file given twice,
+    or the merge run again, changes nothing."""
+    merged = empty()
+    for path in inputs:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot read {path}: {exc}") from None
+        if not isinstance(data, dict) or not {"sets", "cells"} <= data.keys():
+            raise UsageError(f"{path} is not a stackcheck matrix.json")
+        data.setdefault("fingerprint", None)  # a file from before fingerprints never merges with one after
+        try:
+            merge_into(merged, data)
+        except ValueError as exc:
+            raise UsageError(f"cannot merge {path}: {exc}") from None
+    save(output, merged)
+    return merged
 
 
 def worst(verdicts: list[str]) -> str:

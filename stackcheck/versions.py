@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import re
 import subprocess
 import sys
@@ -46,7 +47,11 @@ class VersionSet:
 
     @property
     def slug(self) -> str:
-        return re.sub(r"[^A-Za-z0-9_.+-]+", "_", self.name)[:100]
+        slug = re.sub(r"[^A-Za-z0-9_.+-]+", "_", self.name)
+        if len(slug) <= 100:
+            return slug
+        # Long names (git pins) differ at the end: keep them apart with a digest of the whole name.
+        return slug[:87] + "-" + hashlib.sha256(self.name.encode()).hexdigest()[:12]
 
 
 def _check_package(package: str, token: str) -> str:
@@ -117,15 +122,23 @@ def default_set() -> VersionSet:
     return known[default]
 
 
+def index_versions(package: str, pre: bool = False) -> list[Version]:
+    """The package's releases on the package index pip is configured for, oldest first."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", package, *(["--pre"] if pre else [])],
+        capture_output=True, text=True,
+    )
+    listed = re.search(r"^Available versions: (.+)$", out.stdout, re.M)
+    if out.returncode != 0 or not listed:
+        why = (out.stderr.strip().splitlines() or ["pip printed no versions"])[-1]
+        raise UsageError(f"no releases of '{package}' on the package index ({why})")
+    return sorted(Version(v) for v in listed.group(1).split(", "))
+
+
 def refresh_latest(path: Path = SETS_FILE) -> dict[str, str]:
     """Rewrite the `latest` pins with the newest releases the package index offers."""
     text = path.read_text()
-    newest = {}
-    for package in LIBRARIES:
-        out = subprocess.run(
-            [sys.executable, "-m", "pip", "index", "versions", package], capture_output=True, text=True, check=True
-        ).stdout
-        newest[package] = re.search(rf"^{package} \(([^)]+)\)", out, re.M).group(1)
+    newest = {package: str(index_versions(package)[-1]) for package in LIBRARIES}
     head, latest = text.split("[sets.latest]", 1)
     for package, version in newest.items():
         latest = re.sub(rf'^{package} = ".*"$', f'{package} = "{version}"', latest, count=1, flags=re.M)

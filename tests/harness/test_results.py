@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from stackcheck import results
+from stackcheck import cli, results
+from stackcheck.versions import UsageError
 
 VERSIONS = {"python": "3.11", "torch": "2.13.0", "transformers": "5.6.2", "peft": "0.19.1", "accelerate": "1.13.0", "bitsandbytes": "0.49.2"}
 
@@ -22,7 +23,7 @@ def test_each_cell_is_on_disk_as_soon_as_it_is_recorded(tmp_path):
     results.record_cell(path, cell("t2", "pass"))
     data = json.loads(path.read_text())
     assert {c["test"] for c in data["cells"]} == {"t1", "t2"}
-    assert set(data) == {"sets", "cells"} and data["sets"]["seed"]["transformers"] == "5.6.2"
+    assert set(data) == {"sets", "cells", "fingerprint"} and data["sets"]["seed"]["transformers"] == "5.6.2"
     assert set(results.CELL_KEYS) <= set(data["cells"][0])
     markdown = path.with_suffix(".md").read_text()
     assert "| shared_kv_redispatch | **known_bug** [shared_kv_redispatch]" in markdown
@@ -47,3 +48,45 @@ def test_merge_refuses_one_set_name_with_two_version_lists():
 def test_family_cell_shows_the_worst_verdict():
     assert results.worst(["pass", "known_bug", "pass"]) == "known_bug"
     assert results.worst(["known_bug", "new_failure"]) == "new_failure"
+
+
+def two_jobs(tmp_path):
+    """Two per-job matrix.json files, as two CI jobs write them."""
+    seed, latest = tmp_path / "seed" / "matrix.json", tmp_path / "latest" / "matrix.json"
+    results.record_set(seed, "seed", VERSIONS)
+    results.record_cell(seed, cell("t1", "known_bug", bug="shared_kv_redispatch"))
+    results.record_set(latest, "latest", dict(VERSIONS, transformers="5.23.0"))
+    results.record_cell(latest, cell("t1", "pass", set_name="latest"))
+    return seed, latest
+
+
+def test_merge_files_is_idempotent(tmp_path):
+    seed, latest = two_jobs(tmp_path)
+    output = tmp_path / "merged" / "matrix.json"
+    merged = results.merge_files([seed, latest], output)
+    written = output.read_text(), output.with_suffix(".md").read_text()
+    assert {c["set"] for c in merged["cells"]} == {"seed", "latest"}
+    assert results.merge_files([latest, seed, latest, output], output) == merged
+    assert (output.read_text(), output.with_suffix(".md").read_text()) == written
+
+
+def test_merge_refuses_results_of_other_family_definitions(tmp_path, capsys):
+    seed, latest = two_jobs(tmp_path)
+    other = json.loads(latest.read_text())
+    other["fingerprint"] = "0" * 16
+    latest.write_text(json.dumps(other))
+    assert cli.main(["merge", str(seed), str(latest), "--output", str(tmp_path / "m.json")]) == 2
+    assert "results of different family definitions" in capsys.readouterr().err
+    del other["fingerprint"]  # written before fingerprints existed: its definitions are unknown
+    latest.write_text(json.dumps(other))
+    with pytest.raises(UsageError, match="different family definitions"):
+        results.merge_files([seed, latest], tmp_path / "m.json")
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_recording_over_results_of_other_definitions_moves_them_aside(tmp_path):
+    path = tmp_path / "matrix.json"
+    results.write_json(path, {"fingerprint": "0" * 16, "sets": {"seed": VERSIONS}, "cells": [cell("t1", "pass")]})
+    results.record_set(path, "latest", VERSIONS)
+    assert set(json.loads(path.read_text())["sets"]) == {"latest"}
+    assert json.loads((tmp_path / f"matrix.stale-{'0' * 16}.json").read_text())["cells"][0]["test"] == "t1"

@@ -1,0 +1,127 @@
+"""`stackcheck gate`: run a baseline set and a candidate set (say, the baseline with one library bumped)
+through the same families; fail on a regression, pass on improvements alone.
+
+The comparison is pure: `compare(baseline, candidate)` takes two results dicts (matrix.json data of one
+set each) and returns findings, one list per check in CHECKS. Another measurement (VRAM, tokens/s as
+ratios against thresholds) joins as one more check function over the same two dicts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from stackcheck import REPO_ROOT, lane, results
+from stackcheck.ledger import ERROR, FIXED, NEW_FAILURE, PASS
+from stackcheck.versions import PACKAGES, UsageError, default_set, resolve
+
+DEFAULT_OUTPUT = REPO_ROOT / "results" / "gate"
+REGRESSION, IMPROVEMENT, CHANGE, SAME = "regression", "improvement", "change", "same"
+PASSING = (PASS, FIXED)  # `fixed` passed too; the ledger only expected a bug there
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str  # which comparison found it: "families" (later, say, "vram")
+    subject: str  # what it is about: a family id
+    baseline: str
+    candidate: str
+    status: str  # REGRESSION, IMPROVEMENT, CHANGE or SAME
+    detail: str = ""
+
+
+def _cells_by_family(data: dict) -> dict[str, list[dict]]:
+    families: dict[str, list[dict]] = {}
+    for cell in data["cells"]:
+        families.setdefault(cell["family"], []).append(cell)
+    return families
+
+
+def _label(cells: list[dict]) -> str:
+    verdict = results.worst([c["verdict"] for c in cells])
+    bugs = sorted({c["bug"] for c in cells if c["verdict"] == verdict and c.get("bug")})
+    return verdict + (f" ({', '.join(bugs)})" if bugs else "")
+
+
+def family_verdicts(baseline: dict, candidate: dict) -> list[Finding]:
+    """A family regresses when the candidate has a new_failure or error in it, when it passed on the
+    baseline and no longer passes, or when the candidate did not run it; it improves when it passes on
+    the candidate only."""
+    before, after = _cells_by_family(baseline), _cells_by_family(candidate)
+    findings = []
+    for family in sorted(before.keys() | after.keys()):
+        old, new = before.get(family, []), after.get(family, [])
+        old_label, new_label = (_label(cells) if cells else "not run" for cells in (old, new))
+        broken = [c for c in new if c["verdict"] in (NEW_FAILURE, ERROR)]
+        old_passes = bool(old) and results.worst([c["verdict"] for c in old]) in PASSING
+        new_passes = bool(new) and results.worst([c["verdict"] for c in new]) in PASSING
+        if broken or not new or (old_passes and not new_passes):
+            status = REGRESSION
+            detail = "; ".join(f"`{c['test']}`: {c['verdict']} {c.get('signature') or ''}".strip() for c in broken or new)
+        elif new_passes and not old_passes:
+            status, detail = IMPROVEMENT, "fixed"
+        else:
+            status, detail = (SAME if old_label == new_label else CHANGE), ""
+        findings.append(Finding("families", family, old_label, new_label, status, detail))
+    return findings
+
+
+CHECKS: list[Callable[[dict, dict], list[Finding]]] = [family_verdicts]
+
+
+def compare(baseline: dict, candidate: dict, checks=CHECKS) -> list[Finding]:
+    return [finding for check in checks for finding in check(baseline, candidate)]
+
+
+def one_set(data: dict, name: str) -> dict:
+    """The results of one set out of a matrix.json that holds several."""
+    return {"sets": {name: data["sets"].get(name, {})}, "cells": [c for c in data["cells"] if c["set"] == name]}
+
+
+def render_summary(baseline: dict, candidate: dict, findings: list[Finding]) -> str:
+    """Markdown for a CI job summary: the verdict, what changed in the stack, then every finding."""
+    (base_name, base_versions), (cand_name, cand_versions) = (next(iter(d["sets"].items())) for d in (baseline, candidate))
+    regressions = [f for f in findings if f.status == REGRESSION]
+    fixed = [f.subject for f in findings if f.check == "families" and f.status == IMPROVEMENT]
+    bumped = [f"{p} {base_versions.get(p, '?')} → {cand_versions.get(p, '?')}" for p in PACKAGES
+              if base_versions.get(p) != cand_versions.get(p)]
+    lines = [
+        f"## stackcheck gate: {'FAIL' if regressions else 'PASS'}",
+        "",
+        f"Baseline `{base_name}`, candidate `{cand_name}`: {', '.join(bumped) or 'same library versions'}.",
+        "",
+        f"- regressions: {', '.join(f'{f.check}/{f.subject}' for f in regressions) or 'none'}",
+        f"- fixed families: {', '.join(fixed) or 'none'}",
+        "",
+        "| check | subject | baseline | candidate | status | detail |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in findings:
+        detail = f.detail.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {f.check} | {f.subject} | {f.baseline} | {f.candidate} | **{f.status}** | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    """The `gate` command: 1 on any regression, 0 otherwise (2, through the CLI, on a usage error)."""
+    (baseline,) = resolve([args.sets or default_set().name])
+    (candidate,) = resolve([args.candidate or baseline.name], args.overrides)
+    if candidate == baseline:
+        raise UsageError("the candidate is the baseline: bump a library with --with PIN or name --candidate SET")
+    targets = lane.family_targets([f for f in (args.families or "").split(",") if f] or None)
+    matrix = args.output / "matrix.json"
+    matrix.unlink(missing_ok=True)  # the comparison reads this run's cells only
+    for vset in (baseline, candidate):
+        print(f"== gate: {vset.name}", flush=True)
+        lane.run(vset, targets, matrix, args.find_links, args.no_index)
+    data = results.load(matrix)
+    before, after = one_set(data, baseline.name), one_set(data, candidate.name)
+    findings = compare(before, after)
+    summary = render_summary(before, after, findings)
+    (args.output / "summary.md").write_text(summary)
+    if os.environ.get("GITHUB_STEP_SUMMARY"):
+        with open(os.environ["GITHUB_STEP_SUMMARY"], "a") as handle:
+            handle.write(summary)
+    print(summary)
+    return 1 if any(f.status == REGRESSION for f in findings) else 0

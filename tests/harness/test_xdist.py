@@ -1,0 +1,45 @@
+"""pytest-xdist within one machine: on a GPU host each worker is pinned to one GPU; without GPUs the
+workers are left as they are. Real xdist runs over a probe test that reports what its worker sees."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stackcheck import REPO_ROOT
+from stackcheck.plugin import visible_gpus
+
+PROBE = """
+import os
+import pathlib
+
+
+def test_report_visible_gpus(worker_id):
+    pathlib.Path(os.environ["PROBE_OUT"], worker_id).write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+"""
+
+
+def seen_by_workers(tmp_path, cuda_visible_devices: str | None) -> dict[str, str]:
+    (tmp_path / "test_probe.py").write_text(PROBE)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update({"PROBE_OUT": str(out)}, **({"CUDA_VISIBLE_DEVICES": cuda_visible_devices} if cuda_visible_devices is not None else {}))
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "each", "-p", "no:cacheprovider", "-c", str(REPO_ROOT / "pyproject.toml"),
+         "--rootdir", str(REPO_ROOT), str(tmp_path / "test_probe.py")],
+        cwd=REPO_ROOT, env=env, check=True, capture_output=True,
+    )
+    return {worker.name: worker.read_text() for worker in out.iterdir()}
+
+
+def test_each_worker_gets_one_of_the_visible_gpus(tmp_path):
+    assert seen_by_workers(tmp_path, "3,5") == {"gw0": "3", "gw1": "5"}
+
+
+def test_without_gpus_workers_are_left_alone(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if visible_gpus():
+        pytest.skip("this host has GPUs")
+    assert seen_by_workers(tmp_path, None) == {"gw0": "unset", "gw1": "unset"}
