@@ -36,3 +36,9 @@ def matrix(session: nox.Session) -> None:
 def versions(session: nox.Session) -> None:
     """Print each set's pins."""
     _run("versions", session)
+
+
+@nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """VRAM and tokens/s of each set as ratios against a baseline (`-- --sets seed,latest --smoke`); writes results/bench.md."""
+    _run("bench", session)

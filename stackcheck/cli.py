@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, envs, results
+from stackcheck import REPO_ROOT, bench_report, envs, results
 from stackcheck.ledger import ERROR, Ledger
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
 
 DEFAULT_RESULTS = REPO_ROOT / "results" / "matrix.json"
+BENCH_RESULTS = REPO_ROOT / "results" / "bench"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,6 +44,17 @@ def _parser() -> argparse.ArgumentParser:
     add_set_options(versions, many=True)
 
     commands.add_parser("refresh-latest", help="re-pin the `latest` set to the newest releases")
+
+    bench = commands.add_parser("bench", help="VRAM and tokens/s of each set, as ratios against a baseline set")
+    add_set_options(bench, many=True)
+    bench.add_argument("--baseline", help="the set the others are compared against (default: the first set)")
+    bench.add_argument("--size", choices=("tiny", "realistic", "all"), help="model size (default: all; tiny with --smoke)")
+    bench.add_argument("--smoke", action="store_true", help="few tokens and rounds; runs on the CPU when there is no GPU")
+    bench.add_argument("--repeat", type=int, default=0, metavar="N",
+                       help="measure the 4-bit decode N more times (N >= 2) and report its coefficient of variation")
+    bench.add_argument("--results", type=Path, default=BENCH_RESULTS, help="folder for <set>.json and the plots; bench.md goes beside it")
+    bench.add_argument("--render-only", action="store_true", help="measure nothing: render bench.md from the JSON in --results")
+    bench.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
     return parser
 
 
@@ -99,9 +112,53 @@ def run_matrix(args) -> int:
 
 def run_tests(args) -> int:
     (vset,) = _selected(args)
-    python = envs.build(vset, args.find_links, args.no_index)
+    python = envs.build(vset, args.find_links, args.no_index, groups=("bench",))  # the tests run the bench's smoke mode
     print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
     return _pytest(python, vset, ["tests"], args.pytest_args, None)
+
+
+def _require_cuda(python: Path) -> None:
+    probe = subprocess.run([str(python), "-c", "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"])
+    if probe.returncode:
+        raise UsageError("the bench needs a CUDA GPU and torch sees none here; --smoke runs the short CPU version")
+
+
+def run_bench(args) -> int:
+    """Per set: build its environment with the bench extras, run tests/benchmarks into <set>.json; then
+    render bench.md and the plots from every set's JSON, as ratios against the baseline set."""
+    sets = _selected(args)
+    baseline = args.baseline or sets[0].name
+    if baseline not in [vset.name for vset in sets]:
+        raise UsageError(f"--baseline '{baseline}' is not among the sets run ({', '.join(v.name for v in sets)})")
+    if args.repeat < 0 or args.repeat == 1:
+        raise UsageError(f"--repeat {args.repeat}: a coefficient of variation needs N >= 2 measurements")
+    size = args.size or ("tiny" if args.smoke else "all")
+    results_dir = args.results.resolve()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for vset in [] if args.render_only else sets:
+        python = envs.build(vset, args.find_links, args.no_index, groups=("bench",))
+        print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
+        if not args.smoke:
+            _require_cuda(python)
+        options = ["-q", "-m", "benchmark", f"--benchmark-json={results_dir / f'{vset.slug}.json'}",
+                   f"--stackcheck-bench-size={size}", f"--stackcheck-bench-repeat={args.repeat}"]
+        started = time.monotonic()
+        code = _pytest(python, vset, ["tests/benchmarks"], options + ["--stackcheck-bench-smoke"] * args.smoke + args.pytest_args, None)
+        print(f"== set {vset.name}: pytest exit {code}, bench {time.monotonic() - started:.1f} s", flush=True)
+        if code:
+            failed.append(vset.name)
+    runs = {vset.name: json.loads(path.read_text()) for vset in sets if (path := results_dir / f"{vset.slug}.json").exists()}
+    if baseline not in runs:
+        print(f"stackcheck: no bench results for the baseline set '{baseline}' in {results_dir}", file=sys.stderr)
+        return 1
+    markdown = results_dir.parent / "bench.md"
+    for note in bench_report.render(runs, baseline, markdown, results_dir):
+        print(f"stackcheck: {note}", file=sys.stderr)
+    print(f"wrote {markdown}")
+    if failed:
+        print(f"stackcheck: sets with failed or missing benchmarks: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             for vset in _selected(args):
                 print(f"{vset.name}: " + ", ".join(f"{k} {v}" for k, v in vset.pins.items()))
             return 0
+        if args.command == "bench":
+            return run_bench(args)
         if args.command == "refresh-latest":
             print(refresh_latest())
             return 0

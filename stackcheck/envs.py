@@ -27,9 +27,14 @@ class EnvBuildError(Exception):
     """The set's environment could not be built (a dependency conflict, a missing wheel)."""
 
 
-def test_requirements() -> list[str]:
+def requirement_group(name: str) -> list[str]:
+    """One `[project.optional-dependencies]` group of pyproject.toml."""
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    return pyproject["project"]["optional-dependencies"]["test"]
+    return pyproject["project"]["optional-dependencies"][name]
+
+
+def test_requirements() -> list[str]:
+    return requirement_group("test")
 
 
 def torch_source(vset: VersionSet) -> tuple[list[str], bool]:
@@ -56,11 +61,14 @@ def _run(command: list[str]) -> None:
         raise EnvBuildError(f"`{' '.join(command[:3])} ...` exited with {completed.returncode}")
 
 
-def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False) -> Path:
-    """Create (or reuse, when its requirements are unchanged) the set's environment; return its python."""
+def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False, groups: tuple[str, ...] = ()) -> Path:
+    """Create (or reuse, when its requirements are unchanged) the set's environment; return its python.
+    `groups` are optional-dependency groups added to the test requirements (`bench`); each combination
+    gets its own environment, so commands that need different groups never rebuild each other's."""
     torch_requirements, inherit = torch_source(vset)
     requirements = torch_requirements + vset.requirements() + test_requirements()
-    env = ENVS_DIR / vset.slug
+    requirements += [requirement for group in groups for requirement in requirement_group(group)]
+    env = ENVS_DIR / "+".join([vset.slug, *groups])
     python = env / "bin" / "python"
     stamp = env / "stackcheck-requirements.txt"
     wanted = "\n".join(requirements + [f"inherit={inherit}", *find_links, f"no_index={no_index}"]) + "\n"
