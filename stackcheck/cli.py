@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--smoke", action="store_true", help="few tokens and rounds; runs on the CPU when there is no GPU")
     bench.add_argument("--repeat", type=int, default=0, metavar="N",
                        help="measure the 4-bit decode N more times (N >= 2) and report its coefficient of variation")
-    bench.add_argument("--results", type=Path, default=BENCH_RESULTS, help="folder for <set>.json and the plots; bench.md goes beside it")
+    bench.add_argument("--results", type=Path, default=BENCH_RESULTS, help="folder for <set>.json and the plots; the report is FOLDER.md (default: results/bench, results/bench.md)")
     bench.add_argument("--render-only", action="store_true", help="measure nothing: render bench.md from the JSON in --results")
     bench.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
     return parser
@@ -117,7 +117,7 @@ def run_tests(args) -> int:
     return _pytest(python, vset, ["tests"], args.pytest_args, None)
 
 
-def _require_cuda(python: Path) -> None:
+def require_cuda(python: Path) -> None:
     probe = subprocess.run([str(python), "-c", "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"])
     if probe.returncode:
         raise UsageError("the bench needs a CUDA GPU and torch sees none here; --smoke runs the short CPU version")
@@ -140,7 +140,7 @@ def run_bench(args) -> int:
         python = envs.build(vset, args.find_links, args.no_index, groups=("bench",))
         print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
         if not args.smoke:
-            _require_cuda(python)
+            require_cuda(python)
         options = ["-q", "-m", "benchmark", f"--benchmark-json={results_dir / f'{vset.slug}.json'}",
                    f"--stackcheck-bench-size={size}", f"--stackcheck-bench-repeat={args.repeat}"]
         started = time.monotonic()
@@ -152,7 +152,7 @@ def run_bench(args) -> int:
     if baseline not in runs:
         print(f"stackcheck: no bench results for the baseline set '{baseline}' in {results_dir}", file=sys.stderr)
         return 1
-    markdown = results_dir.parent / "bench.md"
+    markdown = results_dir.with_suffix(".md")
     for note in bench_report.render(runs, baseline, markdown, results_dir):
         print(f"stackcheck: {note}", file=sys.stderr)
     print(f"wrote {markdown}")
