@@ -176,7 +176,7 @@ def _plot(summaries, cases, plots_dir: Path, notes: list[str]) -> list[tuple[str
     try:
         import matplotlib
     except ImportError:
-        notes.append("matplotlib is not installed: wrote bench.md without plots (pip install 'stackcheck[bench]')")
+        notes.append("matplotlib is not installed: wrote the report without plots (pip install 'stackcheck[bench]')")
         return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
