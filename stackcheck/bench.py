@@ -57,14 +57,18 @@ def _load_realistic(quantized: bool, double_quant: bool, device_map, **kwargs):
 
 @dataclass(frozen=True)
 class Size:
+    prepare: Callable[[], object]  # builds (once) the checkpoints the loads need, outside any measurement
     load: Callable  # (quantized=, double_quant=, device_map=, **from_pretrained kwargs) -> model
     adapter: Callable[[], str | Path]  # what scenario.peft_load takes
     has_towers: bool  # only a multimodal model has towers for the split map to send to the CPU
 
 
+TINY_ADAPTER = "language"
 SIZES = {
-    "tiny": Size(scenario.load_base, adapter=lambda: "language", has_towers=True),
-    "realistic": Size(_load_realistic, adapter=lambda: tiny.realistic_checkpoint() / "adapter", has_towers=False),
+    "tiny": Size(prepare=lambda: (tiny.base_checkpoint(), tiny.adapter_checkpoint(TINY_ADAPTER)), load=scenario.load_base,
+                 adapter=lambda: TINY_ADAPTER, has_towers=True),
+    "realistic": Size(prepare=tiny.realistic_checkpoint, load=_load_realistic,
+                      adapter=lambda: tiny.realistic_checkpoint() / "adapter", has_towers=False),
 }
 
 
@@ -338,6 +342,7 @@ class CaseRun:
 
     def __init__(self, size: str, case: str, device: torch.device, profile: Profile):
         self.size, self.case, self.device, self.profile = size, case, device, profile
+        SIZES[size].prepare()  # a first build (30 GB of GPU memory for the realistic size) is no part of a case
         self.tracker = MemoryTracker(device)
         self.model = load_case(SIZES[size], CASES[case], device)
         self.weights = {"allocated_after_load": self.tracker.allocated_since_start(), **weight_bytes(self.model)}
