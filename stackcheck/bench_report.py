@@ -138,11 +138,14 @@ def _weights(summaries) -> list[str]:
     lines = ["## Weights: expected and measured", "",
              "Expected = the arithmetic (NF4: 0.5 byte/parameter + one fp32 absmax per 64-value block, or with "
              "double quant one 8-bit absmax per block + one fp32 absmax per 256 blocks; everything else numel × "
-             "its dtype's size). Stored = the tensors really held (quant-state code tables, offsets and buffers "
-             "included). Allocated = torch allocator growth over the load (GPU only; the allocator rounds each "
-             "tensor up to 512 bytes). Host-side = weights on the CPU or offloaded by accelerate (`meta`).", "",
-             "| set | case | expected MiB | stored MiB | allocated MiB | allocated / expected | host-side expected MiB |",
-             "|---" * 7 + "|"]
+             "its dtype's size). Stored = the tensors really held: the gap stored − expected is what the "
+             "arithmetic leaves out, the quant states' code tables and offsets and the model's buffers. "
+             "Allocated = torch allocator growth over the load (GPU only): the gap allocated − stored is the "
+             "allocator's rounding of each tensor up to 512 bytes plus anything the load left allocated. "
+             "Host-side = weights on the CPU or offloaded by accelerate (`meta`).", "",
+             "| set | case | expected MiB | stored MiB | allocated MiB | allocated / expected | stored − expected KiB "
+             "| allocated − stored KiB | host-side expected MiB |",
+             "|---" * 9 + "|"]
     for name, summary in summaries.items():
         for key, row in summary.items():
             weights = row["weights"]
@@ -150,10 +153,11 @@ def _weights(summaries) -> list[str]:
             expected, stored = weights["expected"].get(main, 0), weights["stored"].get(main, 0)
             allocated = weights.get("allocated_after_load")
             host = sum(v for device, v in weights["expected"].items() if device != main)
-            lines.append(
-                f"| {name} | {key} | {_number(expected, MIB)} | {_number(stored, MIB)} | {_number(allocated, MIB) if allocated is not None else ''} | "
-                f"{f'{allocated / expected:.4f}' if allocated is not None and expected else ''} | {_number(host, MIB) if host else ''} |"
-            )
+            on_gpu = allocated is not None
+            cells = [_number(expected, MIB), _number(stored, MIB), _number(allocated, MIB) if on_gpu else "",
+                     f"{allocated / expected:.4f}" if on_gpu and expected else "", _number(stored - expected, 1024),
+                     _number(allocated - stored, 1024) if on_gpu else "", _number(host, MIB) if host else ""]
+            lines.append(f"| {name} | {key} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
