@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--smoke", action="store_true", help="few tokens and rounds; runs on the CPU when there is no GPU")
     bench.add_argument("--repeat", type=int, default=0, metavar="N",
                        help="measure the 4-bit decode N more times (N >= 2) and report its coefficient of variation")
-    bench.add_argument("--results", type=Path, default=BENCH_RESULTS, help="folder for <set>.json and the plots; the report is FOLDER.md (default: results/bench, results/bench.md)")
+    bench.add_argument("--results", type=Path, default=BENCH_RESULTS,
+                       help="folder for <set>.json and the plots; the report is FOLDER.md (default: results/bench)")
     bench.add_argument("--render-only", action="store_true", help="measure nothing: render bench.md from the JSON in --results")
     bench.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
     return parser
@@ -123,9 +124,29 @@ def require_cuda(python: Path) -> None:
         raise UsageError("the bench needs a CUDA GPU and torch sees none here; --smoke runs the short CPU version")
 
 
+def _bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
+    """Run tests/benchmarks in the set's environment into <set>.json; True when every benchmark ran."""
+    output = results_dir / f"{vset.slug}.json"
+    output.unlink(missing_ok=True)  # a report never mixes this run with an older one
+    try:
+        python = envs.build(vset, args.find_links, args.no_index, groups=("bench",))
+    except envs.EnvBuildError as exc:
+        print(f"stackcheck: set {vset.name}: environment not built: {exc}", file=sys.stderr)
+        return False
+    print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
+    if not args.smoke:
+        require_cuda(python)
+    options = ["-q", "-m", "benchmark", f"--benchmark-json={output}", f"--stackcheck-bench-size={size}",
+               f"--stackcheck-bench-repeat={args.repeat}", *(["--stackcheck-bench-smoke"] if args.smoke else [])]
+    started = time.monotonic()
+    code = _pytest(python, vset, ["tests/benchmarks"], options + args.pytest_args, None)
+    print(f"== set {vset.name}: pytest exit {code}, bench {time.monotonic() - started:.1f} s", flush=True)
+    return code == 0
+
+
 def run_bench(args) -> int:
-    """Per set: build its environment with the bench extras, run tests/benchmarks into <set>.json; then
-    render bench.md and the plots from every set's JSON, as ratios against the baseline set."""
+    """Per set: build its environment with the bench extras and run tests/benchmarks into <set>.json;
+    then render the report and the plots from every set's JSON, as ratios against the baseline set."""
     sets = _selected(args)
     baseline = args.baseline or sets[0].name
     if baseline not in [vset.name for vset in sets]:
@@ -135,19 +156,7 @@ def run_bench(args) -> int:
     size = args.size or ("tiny" if args.smoke else "all")
     results_dir = args.results.resolve()
     results_dir.mkdir(parents=True, exist_ok=True)
-    failed = []
-    for vset in [] if args.render_only else sets:
-        python = envs.build(vset, args.find_links, args.no_index, groups=("bench",))
-        print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
-        if not args.smoke:
-            require_cuda(python)
-        options = ["-q", "-m", "benchmark", f"--benchmark-json={results_dir / f'{vset.slug}.json'}",
-                   f"--stackcheck-bench-size={size}", f"--stackcheck-bench-repeat={args.repeat}"]
-        started = time.monotonic()
-        code = _pytest(python, vset, ["tests/benchmarks"], options + ["--stackcheck-bench-smoke"] * args.smoke + args.pytest_args, None)
-        print(f"== set {vset.name}: pytest exit {code}, bench {time.monotonic() - started:.1f} s", flush=True)
-        if code:
-            failed.append(vset.name)
+    failed = [] if args.render_only else [v.name for v in sets if not _bench_set(v, args, size, results_dir)]
     runs = {vset.name: json.loads(path.read_text()) for vset in sets if (path := results_dir / f"{vset.slug}.json").exists()}
     if baseline not in runs:
         print(f"stackcheck: no bench results for the baseline set '{baseline}' in {results_dir}", file=sys.stderr)
