@@ -127,7 +127,6 @@ def require_cuda(python: Path) -> None:
 def _bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
     """Run tests/benchmarks in the set's environment into <set>.json; True when every benchmark ran."""
     output = results_dir / f"{vset.slug}.json"
-    output.unlink(missing_ok=True)  # a report never mixes this run with an older one
     try:
         python = envs.build(vset, args.find_links, args.no_index, groups=("bench",))
     except envs.EnvBuildError as exc:
@@ -136,6 +135,7 @@ def _bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
     print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
     if not args.smoke:
         require_cuda(python)
+    output.unlink(missing_ok=True)  # a report never mixes this run with an older one
     options = ["-q", "-m", "benchmark", f"--benchmark-json={output}", f"--stackcheck-bench-size={size}",
                f"--stackcheck-bench-repeat={args.repeat}", *(["--stackcheck-bench-smoke"] if args.smoke else [])]
     started = time.monotonic()
