@@ -130,6 +130,7 @@ def _bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
     try:
         python = envs.build(vset, args.find_links, args.no_index, groups=("bench",))
     except envs.EnvBuildError as exc:
+        output.unlink(missing_ok=True)  # the set is missing from this run's report, not shown with old numbers
         print(f"stackcheck: set {vset.name}: environment not built: {exc}", file=sys.stderr)
         return False
     print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
