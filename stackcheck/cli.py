@@ -43,8 +43,6 @@ def _parser() -> argparse.ArgumentParser:
     versions = commands.add_parser("versions", help="print the resolved pins of each set")
     add_set_options(versions, many=True)
 
-    commands.add_parser("refresh-latest", help="re-pin the `latest` set to the newest releases")
-
     bench = commands.add_parser("bench", help="VRAM and tokens/s of each set, as ratios against a baseline set")
     add_set_options(bench, many=True)
     bench.add_argument("--baseline", help="the set the others are compared against (default: the first set)")
@@ -56,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="folder for <set>.json and the plots; the report is FOLDER.md (default: results/bench)")
     bench.add_argument("--render-only", action="store_true", help="measure nothing: render bench.md from the JSON in --results")
     bench.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
+
+    commands.add_parser("refresh-latest", help="re-pin the `latest` set to the newest releases")
     return parser
 
 
