@@ -32,6 +32,18 @@ def matrix(session: nox.Session) -> None:
     _run("matrix", session)
 
 
+@nox.session(name="gpu-matrix", venv_backend="none")
+def gpu_matrix(session: nox.Session) -> None:
+    """The GPU and CPU lanes of every set over the host's CUDA torch; fails in one line without a GPU."""
+    _run("gpu-matrix", session)
+
+
+@nox.session(venv_backend="none")
+def wheelhouse(session: nox.Session) -> None:
+    """Download every wheel the sets need for an offline target (`-- --cuda 130 --host-freeze FILE`)."""
+    _run("wheelhouse", session)
+
+
 @nox.session(venv_backend="none")
 def versions(session: nox.Session) -> None:
     """Print each set's pins."""

@@ -32,7 +32,7 @@ class Case:
     quantized: bool
     double_quant: bool = False
     adapter: str | None = None  # None, "unmerged" (PeftModel on top) or "merged" (merge_and_unload)
-    split: bool = False  # the seeds' device map: vision and audio towers on the CPU, the rest on the GPU
+    split: bool = False  # scenario.SEED_SPLIT_DEVICE_MAP: vision and audio towers on the CPU, the rest on GPU 0
 
 
 CASES = {
@@ -102,8 +102,7 @@ def bench_device() -> torch.device:
 
 
 def load_case(size: Size, case: Case, device: torch.device):
-    key = scenario.device_key(device)
-    device_map = {"model.vision_tower": "cpu", "model.audio_tower": "cpu", "": key} if case.split else {"": key}
+    device_map = scenario.SEED_SPLIT_DEVICE_MAP if case.split else {"": scenario.device_key(device)}
     kwargs = {}
     if case.quantized:
         # transformers refuses a 4-bit model with CPU entries in its map unless fp32 CPU offload is on

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, bench_report, envs, results
+from stackcheck import REPO_ROOT, bench_report, envs, results, wheelhouse
 from stackcheck.ledger import ERROR, Ledger
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
 
@@ -31,10 +31,11 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--find-links", action="append", default=[], metavar="DIR", help="extra wheel folder")
         cmd.add_argument("--no-index", action="store_true", help="install only from --find-links folders")
 
-    matrix = commands.add_parser("matrix", help="run the family tests of each set and write the report")
-    add_set_options(matrix, many=True)
-    matrix.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="matrix.json to write")
-    matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
+    for name, what in (("matrix", "the CPU lane of every family"), ("gpu-matrix", "the GPU and CPU lanes of every family")):
+        matrix = commands.add_parser(name, help=f"run {what} on each set and write the report")
+        add_set_options(matrix, many=True)
+        matrix.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="matrix.json to write")
+        matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
 
     tests = commands.add_parser("tests", help="the harness's own tests plus the CPU lane on one set")
     add_set_options(tests, many=False)
@@ -42,6 +43,14 @@ def _parser() -> argparse.ArgumentParser:
 
     versions = commands.add_parser("versions", help="print the resolved pins of each set")
     add_set_options(versions, many=True)
+
+    house = commands.add_parser("wheelhouse", help="download the wheels the sets need, for an offline target")
+    add_set_options(house, many=True)
+    house.add_argument("--dest", type=Path, default=REPO_ROOT / "wheelhouse", help="folder to fill")
+    house.add_argument("--python-version", default="3.12", help="the target's Python (default: 3.12)")
+    house.add_argument("--platform", dest="platforms", action="append", help="wheel platform tag (default: manylinux x86-64)")
+    house.add_argument("--cuda", help="keep only this CUDA build of the bitsandbytes binaries, e.g. 130 for CUDA 13.0")
+    house.add_argument("--host-freeze", type=Path, help="the target's `pip list --format=freeze`: leave out what it has")
 
     bench = commands.add_parser("bench", help="VRAM and tokens/s of each set, as ratios against a baseline set")
     add_set_options(bench, many=True)
@@ -86,7 +95,12 @@ def _record_unbuildable(results_path: Path, vset: VersionSet, reason: str) -> No
 
 
 def run_matrix(args) -> int:
+    """`matrix` runs the CPU lane; `gpu-matrix` both lanes, and fails when no GPU cell really ran."""
+    gpu = args.command == "gpu-matrix"
+    if gpu:
+        print(f"== device: {envs.cuda_device()}", flush=True)
     sets = _selected(args)
+    lanes = ["gpu", "cpu"] if gpu else ["cpu"]
     args.results.parent.mkdir(parents=True, exist_ok=True)
     failed = []
     for vset in sets:
@@ -99,11 +113,16 @@ def run_matrix(args) -> int:
             failed.append(vset.name)
             continue
         print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
+        results.forget_cells(args.results, vset.name, lanes)  # a re-run replaces the set's cells in these lanes
         lane_started = time.monotonic()
-        code = _pytest(python, vset, ["tests/families"], ["-q", *args.pytest_args], args.results)
-        print(f"== set {vset.name}: pytest exit {code}, CPU lane {time.monotonic() - lane_started:.1f} s, "
+        selection = [] if gpu else ["-m", "not gpu"]
+        code = _pytest(python, vset, ["tests/families"], ["-q", *selection, *args.pytest_args], args.results)
+        print(f"== set {vset.name}: pytest exit {code}, {'+'.join(lanes)} lanes {time.monotonic() - lane_started:.1f} s, "
               f"with environment {time.monotonic() - started:.1f} s", flush=True)
         if code not in (0, 1):  # 1 only means some cells are not `pass`; their verdicts are recorded
+            failed.append(vset.name)
+        elif gpu and not results.ran_in_lane(args.results, vset.name, "gpu"):
+            print(f"stackcheck: set {vset.name}: every GPU cell was skipped or missing", file=sys.stderr)
             failed.append(vset.name)
     print(f"wrote {args.results} and {args.results.with_suffix('.md')}")
     if failed:
@@ -118,12 +137,6 @@ def run_tests(args) -> int:
     return _pytest(python, vset, ["tests"], args.pytest_args, None)
 
 
-def require_cuda(python: Path) -> None:
-    probe = subprocess.run([str(python), "-c", "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"])
-    if probe.returncode:
-        raise UsageError("the bench needs a CUDA GPU and torch sees none here; --smoke runs the short CPU version")
-
-
 def _bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
     """Run tests/benchmarks in the set's environment into <set>.json; True when every benchmark ran."""
     output = results_dir / f"{vset.slug}.json"
@@ -134,8 +147,6 @@ def _bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
         print(f"stackcheck: set {vset.name}: environment not built: {exc}", file=sys.stderr)
         return False
     print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
-    if not args.smoke:
-        require_cuda(python)
     output.unlink(missing_ok=True)  # a report never mixes this run with an older one
     options = ["-q", "-m", "benchmark", f"--benchmark-json={output}", f"--stackcheck-bench-size={size}",
                f"--stackcheck-bench-repeat={args.repeat}", *(["--stackcheck-bench-smoke"] if args.smoke else [])]
@@ -155,6 +166,8 @@ def run_bench(args) -> int:
     if args.repeat < 0 or args.repeat == 1:
         raise UsageError(f"--repeat {args.repeat}: a coefficient of variation needs N >= 2 measurements")
     size = args.size or ("tiny" if args.smoke else "all")
+    if not (args.smoke or args.render_only):
+        print(f"== device: {envs.cuda_device()}", flush=True)  # no GPU: one line and exit 2; --smoke runs on the CPU
     results_dir = args.results.resolve()
     results_dir.mkdir(parents=True, exist_ok=True)
     failed = [] if args.render_only else [v.name for v in sets if not _bench_set(v, args, size, results_dir)]
@@ -171,11 +184,22 @@ def run_bench(args) -> int:
     return 1 if failed else 0
 
 
+def run_wheelhouse(args) -> int:
+    platforms = args.platforms or wheelhouse.MANYLINUX_X86_64
+    manifest = wheelhouse.build(_selected(args), args.dest, args.python_version, platforms, args.cuda, args.host_freeze)
+    for name, entry in manifest["sets"].items():
+        print(f"{name}: {len(entry['wheels'])} wheels, {entry['mib']} MiB: {', '.join(entry['wheels'])}")
+    print(f"wrote {args.dest} ({manifest['mib']} MiB in all) and its {wheelhouse.MANIFEST}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "matrix":
+        if args.command in ("matrix", "gpu-matrix"):
             return run_matrix(args)
+        if args.command == "wheelhouse":
+            return run_wheelhouse(args)
         if args.command == "tests":
             return run_tests(args)
         if args.command == "versions":

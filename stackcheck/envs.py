@@ -1,7 +1,9 @@
 """One virtual environment per version set: the pinned libraries over the platform's torch.
 
 uv builds them where it is installed (it is, wherever nox came with `nox[uv]`); plain venv + pip is the
-fallback for hosts without it, such as an air-gapped GPU machine installing from a wheelhouse.
+fallback for hosts without it. An environment that inherits the host's torch (a GPU machine's CUDA build)
+is always built with venv + pip: the host's site-packages are appended through a `.pth` file, which pip
+sees as installed packages and uv does not.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import glob
 import importlib.util
 import os
 import shutil
+import site
 import subprocess
 import sys
 import tomllib
@@ -77,14 +80,41 @@ def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False, 
     shutil.rmtree(env, ignore_errors=True)
     index_args = [arg for link in find_links for arg in ("--find-links", link)] + (["--no-index"] if no_index else [])
     uv = shutil.which("uv")
-    if uv:
-        _run([uv, "venv", "--quiet", "--python", sys.executable, *(["--system-site-packages"] if inherit else []), str(env)])
+    if inherit:
+        _run([sys.executable, "-m", "venv", "--without-pip", str(env)])
+        inherit_host_site_packages(python)
+        _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *index_args, *requirements])
+    elif uv:
+        _run([uv, "venv", "--quiet", "--python", sys.executable, str(env)])
         _run([uv, "pip", "install", "--quiet", "--python", str(python), *index_args, *requirements])
     else:
-        _run([sys.executable, "-m", "venv", *(["--system-site-packages"] if inherit else []), str(env)])
+        _run([sys.executable, "-m", "venv", str(env)])
         _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *index_args, *requirements])
     stamp.write_text(wanted)
     return python
+
+
+def inherit_host_site_packages(python: Path) -> None:
+    """Append the host's site-packages to the env's path. `venv --system-site-packages` would reach only the
+    base interpreter's, and the GPU machine's torch lives in a venv. Entries of a `.pth` come after the env's
+    own site-packages, so the set's pins shadow the host's copies; pip runs from the host's copy too."""
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    host = [path for path in site.getsitepackages() if os.path.isdir(path)]
+    Path(purelib, "_stackcheck_host.pth").write_text("\n".join(host) + "\n")
+
+
+def cuda_device() -> str:
+    """The name of GPU 0 as the host's torch sees it, which every set's environment inherits."""
+    try:
+        import torch
+    except ImportError:
+        raise UsageError(f"no GPU: the Python running stackcheck ({sys.executable}) has no torch to share with the set environments") from None
+    if not torch.cuda.is_available():
+        raise UsageError(f"no GPU: torch {torch.__version__} on this host sees no CUDA device")
+    return torch.cuda.get_device_name(0)
 
 
 def versions_in(python: Path) -> str:

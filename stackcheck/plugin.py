@@ -3,6 +3,9 @@
 Known bugs are reported to pytest as strict xfails (like peft's `xfail(raises=...)`), so the run stays
 green while a known bug reproduces and turns red on a new failure, an unreached scenario, or a test
 that passes where the ledger says it should not (`fixed`: update the ledger).
+
+Every family test runs in two lanes, `[cpu]` and `[gpu]`; a test marked `gpu` runs in the GPU lane only.
+The lane decides `scenario.main_device()`, so the CPU lane means the same on a GPU host as in CI.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from stackcheck import REPO_ROOT, results
+from stackcheck import REPO_ROOT, results, scenario
 from stackcheck.ledger import ERROR, FIXED, KNOWN_BUG, SKIPPED, Failure, Ledger, Verdict
 from stackcheck.scenario import ScenarioNotReached
 from stackcheck.versions import PACKAGES
@@ -63,6 +66,27 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in config.stackcheck_versions.items())
     return [f"stackcheck set '{config.getoption('--stackcheck-set')}': {versions}"]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if family_of(metafunc.definition) is None:
+        return
+    gpu_lane = pytest.param("gpu", marks=pytest.mark.gpu)
+    lanes = [gpu_lane] if metafunc.definition.get_closest_marker("gpu") else ["cpu", gpu_lane]
+    metafunc.parametrize("lane", lanes, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def lane(request: pytest.FixtureRequest):
+    """The lane of a family test (`cpu` for everything else); the GPU lane needs a CUDA device."""
+    import torch
+
+    name = getattr(request, "param", "cpu")
+    if name == "gpu" and not torch.cuda.is_available():
+        pytest.skip("GPU lane: torch sees no CUDA device")
+    scenario.use_lane(name)
+    yield name
+    scenario.use_lane("cpu")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -8,9 +8,10 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from stackcheck.ledger import SEVERITY, Ledger
+from stackcheck.ledger import SEVERITY, SKIPPED, Ledger
 from stackcheck.versions import load_sets
 
+LANES = ("gpu", "cpu")
 CELL_KEYS = ("set", "family", "test", "lane", "verdict", "signature", "bug", "seconds")
 
 
@@ -70,6 +71,19 @@ def record_cell(path: Path, cell: dict) -> None:
         save(path, data)
 
 
+def forget_cells(path: Path, set_name: str, lanes: list[str]) -> None:
+    """Drop a set's cells in `lanes` before it is run again, so no stale cell survives a re-run."""
+    with _locked(path):
+        data = load(path)
+        data["cells"] = [c for c in data["cells"] if not (c["set"] == set_name and c["lane"] in lanes)]
+        save(path, data)
+
+
+def ran_in_lane(path: Path, set_name: str, lane: str) -> bool:
+    """Whether at least one of the set's cells in `lane` ran to a verdict (was not skipped)."""
+    return any(c["set"] == set_name and c["lane"] == lane and c["verdict"] != SKIPPED for c in load(path)["cells"])
+
+
 def worst(verdicts: list[str]) -> str:
     return min(verdicts, key=SEVERITY.index)
 
@@ -87,11 +101,12 @@ def render_markdown(data: dict, ledger: Ledger | None = None) -> str:
         v = data["sets"][name]
         cols = [v.get(k, "") for k in ("python", "torch", "transformers", "peft", "accelerate", "bitsandbytes", "device")]
         lines.append(f"| {name} | " + " | ".join(cols) + " |")
-    lines += ["", "| family | " + " | ".join(sets) + " |", "|---" * (len(sets) + 1) + "|"]
+    columns = [(name, lane) for name in sets for lane in LANES if any(c["set"] == name and c["lane"] == lane for c in data["cells"])]
+    lines += ["", "| family | " + " | ".join(f"{name} ({lane})" for name, lane in columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for family in families:
         row = [family]
-        for name in sets:
-            cells = [c for c in data["cells"] if c["set"] == name and c["family"] == family]
+        for name, lane in columns:
+            cells = [c for c in data["cells"] if c["set"] == name and c["lane"] == lane and c["family"] == family]
             row.append(_summary(cells, ledger) if cells else "")
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "## Cells", "", "| set | lane | test | verdict | bug | signature | s |", "|---" * 7 + "|"]

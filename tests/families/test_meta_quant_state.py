@@ -31,9 +31,10 @@ def test_state_dict_after_accelerate_offload_to_meta():
 
 
 def test_peft_load_on_split_4bit_base_under_memory_pressure(offload_dir, prompt):
-    """The seed's call, with the main device's budget cut so PEFT's redispatch must offload 4-bit layers."""
+    """The seed's call, with the main device's budget cut so PEFT's redispatch must offload 4-bit layers.
+    On the GPU lane the base is the seed's own split load, and the reference is the all-GPU run."""
     reference = scenario.greedy(scenario.peft_load(scenario.load_base(), "language"), prompt)
-    base = scenario.split_dispatch(scenario.load_base(), offload_dir / "base")
+    base = scenario.split_base(offload_dir / "base")
     pressure = scenario.memory_pressure(base)
 
     model = scenario.peft_load(base, "language", max_memory=pressure, offload_dir=str(offload_dir / "peft"))

@@ -10,6 +10,10 @@ a new signature of this family.
 Upstream: transformers#45347 (fixed transformers' own dispatch only), #45663 (FSDP2 twin), #47290 /
 5.23.0 `KVSharingDict` with an in-place `.to()`.
 
+Two ways into PEFT's redispatch: the seed's split base under memory pressure (both lanes), and, on the
+GPU lane, `PeftModel.from_pretrained(..., device_map=base.hf_device_map)` as seed 001 did. The reference
+is the same adapter on the undispatched base (the all-GPU run on the GPU lane).
+
 Precondition proven: the model has KV-shared layers; after the redispatch its decoder layers carry
 accelerate hooks and the `shared_kv_states` dict really crosses a hooked layer during the forward.
 """
@@ -19,16 +23,17 @@ import torch
 
 from stackcheck import scenario
 
+QUANTIZATION = pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "nf4"])
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "nf4"])
-def test_generate_after_peft_redispatch_matches_undispatched(quantized, offload_dir, prompt):
+
+def assert_redispatched_generation_matches_undispatched(quantized, prompt, offload_dir, redispatch_options) -> None:
+    """`redispatch_options(base)` gives the PEFT load kwargs that make it redispatch the split base."""
     undispatched = scenario.peft_load(scenario.load_base(quantized=quantized), "language")
     reference_logits, reference_tokens = scenario.logits(undispatched, prompt), scenario.greedy(undispatched, prompt)
-    base = scenario.split_dispatch(scenario.load_base(quantized=quantized), offload_dir / "base")
+    del undispatched
+    base = scenario.split_base(offload_dir / "base", quantized=quantized)
 
-    model = scenario.peft_load(
-        base, "language", max_memory=scenario.memory_pressure(base), offload_dir=str(offload_dir / "peft")
-    )
+    model = scenario.peft_load(base, "language", offload_dir=str(offload_dir / "peft"), **redispatch_options(base))
     layers, shared = scenario.shared_kv_layers(model)
     scenario.require(all(hasattr(layer, "_hf_hook") for layer in layers), "PEFT's redispatch left decoder layers unhooked")
     crossings = []
@@ -41,3 +46,19 @@ def test_generate_after_peft_redispatch_matches_undispatched(quantized, offload_
 
     torch.testing.assert_close(logits, reference_logits, rtol=0, atol=1e-2)
     assert scenario.greedy(model, prompt) == reference_tokens
+
+
+@QUANTIZATION
+def test_generate_after_peft_redispatch_matches_undispatched(quantized, offload_dir, prompt):
+    assert_redispatched_generation_matches_undispatched(
+        quantized, prompt, offload_dir, lambda base: {"max_memory": scenario.memory_pressure(base)}
+    )
+
+
+@pytest.mark.gpu
+@QUANTIZATION
+def test_generate_after_peft_load_with_base_device_map_matches_all_gpu(quantized, offload_dir, prompt):
+    """Seed 001's variant: the base's own device map handed to PEFT, no memory pressure."""
+    assert_redispatched_generation_matches_undispatched(
+        quantized, prompt, offload_dir, lambda base: {"device_map": base.hf_device_map}
+    )

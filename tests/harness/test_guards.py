@@ -34,7 +34,7 @@ def test_offload_guard_fires_when_nothing_4bit_was_offloaded(tmp_path):
     with pytest.raises(ScenarioNotReached, match="never dispatched"):
         scenario.require_offloaded_linear4bit(scenario.load_base(), "disk")
     # The split base offloads only the unquantized embedding table: like a big GPU, no pressure.
-    split = scenario.split_dispatch(scenario.load_base(), tmp_path)
+    split = scenario.split_base(tmp_path)
     with pytest.raises(ScenarioNotReached, match="kept every Linear4bit on the main device"):
         scenario.require_offloaded_linear4bit(split, scenario.offload_device(scenario.main_device()))
 
@@ -61,8 +61,8 @@ def test_broken_fixture_makes_family_tests_error_not_pass(tmp_path):
     env = dict(os.environ, STACKCHECK_FIXTURES=str(fixtures), STACKCHECK_CACHE=str(tmp_path / "cache"))
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--stackcheck-results={results}",
-         "tests/families/test_shared_kv_redispatch.py::test_generate_after_peft_redispatch_matches_undispatched[bf16]",
-         "tests/families/test_clippable_linear_targeting.py::test_inner_linear_targets_change_tower_and_language_outputs"],
+         "tests/families/test_shared_kv_redispatch.py::test_generate_after_peft_redispatch_matches_undispatched[cpu-bf16]",
+         "tests/families/test_clippable_linear_targeting.py::test_inner_linear_targets_change_tower_and_language_outputs[cpu]"],
         cwd=REPO_ROOT, env=env, capture_output=True, check=False,
     )
     cells = json.loads(results.read_text())["cells"]

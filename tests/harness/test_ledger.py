@@ -14,7 +14,7 @@ def failure(exc: BaseException, frames: tuple[str, ...]) -> Failure:
 
 
 KV_FRAME = ("transformers/models/gemma4/modeling_gemma4.py:forward",)
-TEST = "test_generate_after_peft_redispatch_matches_undispatched[bf16]"
+TEST = "test_generate_after_peft_redispatch_matches_undispatched[cpu-bf16]"
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,82 @@
+"""The wheelhouse walk and the bitsandbytes trim, on wheels built here (no network)."""
+
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from stackcheck import wheelhouse
+from stackcheck.versions import UsageError, resolve
+
+
+def make_wheel(folder: Path, name: str, version: str, requires=(), files=()) -> Path:
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"{info}/METADATA", metadata)
+        for path in files:
+            archive.writestr(path, b"\0" * 64)
+        archive.writestr(f"{info}/RECORD", "".join(f"{p},sha256=x,64\n" for p in files) + f"{info}/RECORD,,\n")
+    return wheel
+
+
+class FakeIndex:
+    """Answers like `pip download --no-deps`: the newest release satisfying the specifier."""
+
+    def __init__(self, folder: Path, releases: dict[str, dict[str, list[str]]]):
+        self.folder, self.releases, self.asked = folder, releases, []
+
+    def __call__(self, name: str, specifier: SpecifierSet) -> Path:
+        self.asked.append(f"{name}{specifier}")
+        version = max((v for v in self.releases[name] if Version(v) in specifier), key=Version)
+        return make_wheel(self.folder, name, version, self.releases[name][version])
+
+
+def test_walk_skips_torch_and_what_the_host_has_and_follows_extras(tmp_path, monkeypatch):
+    monkeypatch.setattr(wheelhouse, "test_requirements", lambda: ["pytest==9.2.0"])
+    (vset,) = resolve(["seed"])
+    index = FakeIndex(tmp_path, {
+        "transformers": {"5.6.2": ["huggingface-hub>=1.3,<2", "tokenizers<0.23,>=0.22", "numpy>=1.17"]},
+        "peft": {"0.19.1": ["torch>=1.13", "accelerate>=0.21", "transformers"]},
+        "accelerate": {"1.13.0": ["torch>=2.0", "psutil", "numpy<3"]},
+        "bitsandbytes": {"0.49.2": ["torch<3,>=2.3", "numpy>=1.17", "extra-only; extra == 'dev'"]},
+        "pytest": {"9.2.0": ["pluggy<2,>=1.5", "colorama; sys_platform == 'win32'"]},
+        "tokenizers": {"0.22.2": [], "0.23.2": []},
+        "pluggy": {"1.6.0": []},
+    })
+    host = {"torch": Version("2.11.0"), "huggingface-hub": Version("1.33.0"), "tokenizers": Version("0.23.2"),
+            "numpy": Version("2.5.2"), "psutil": Version("7.2.2")}
+
+    wheels = wheelhouse.wheels_for_set(vset, index, wheelhouse.target_markers("3.12"), host, cuda=None)
+
+    assert sorted(w.name.split("-")[0] for w in wheels) == ["accelerate", "bitsandbytes", "peft", "pluggy", "pytest", "tokenizers", "transformers"]
+    assert "tokenizers<0.23,>=0.22" in index.asked  # the host's 0.23.2 does not satisfy transformers 5.6.2
+    assert not any(a.startswith(("torch", "numpy", "colorama", "extra-only")) for a in index.asked)
+
+
+def test_a_host_torch_outside_a_pin_is_a_user_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(wheelhouse, "test_requirements", lambda: [])
+    (vset,) = resolve(["seed"])
+    index = FakeIndex(tmp_path, {"transformers": {"5.6.2": []}, "peft": {"0.19.1": ["torch>=2.12"]},
+                                 "accelerate": {"1.13.0": []}, "bitsandbytes": {"0.49.2": []}})
+    with pytest.raises(UsageError, match="needs torch>=2.12; the target has torch 2.11.0"):
+        wheelhouse.wheels_for_set(vset, index, wheelhouse.target_markers("3.12"), {"torch": Version("2.11.0")}, None)
+
+
+def test_bitsandbytes_keeps_one_cuda_binary_and_a_consistent_record(tmp_path):
+    binaries = [f"bitsandbytes/libbitsandbytes_{v}.so" for v in ("cpu", "cuda118", "cuda128", "cuda130", "rocm64")]
+    wheel = make_wheel(tmp_path, "bitsandbytes", "0.49.2", files=["bitsandbytes/__init__.py", *binaries])
+
+    dropped = wheelhouse.keep_one_cuda_binary(wheel, "130")
+
+    assert sorted(dropped) == sorted(b for b in binaries if "cpu" not in b and "cuda130" not in b)
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        record = archive.read("bitsandbytes-0.49.2.dist-info/RECORD").decode()
+    assert "bitsandbytes/libbitsandbytes_cuda130.so" in names and "bitsandbytes/libbitsandbytes_cpu.so" in names
+    assert not any(d in names or d in record for d in dropped)
+    with pytest.raises(UsageError, match="has no libbitsandbytes_cuda126.so"):
+        wheelhouse.keep_one_cuda_binary(wheel, "126")
