@@ -26,6 +26,13 @@ def tests(session: nox.Session) -> None:
     _run("tests", session)
 
 
+
+@nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """VRAM and tokens/s of each set as ratios against a baseline (`-- --sets seed,latest --smoke`); writes results/bench.md."""
+    _run("bench", session)
+
+
 @nox.session(venv_backend="none")
 def matrix(session: nox.Session) -> None:
     """The CPU lane of every set (or `-- --sets a,b --with pkg==ver`); writes results/matrix.{json,md}."""
@@ -48,9 +55,3 @@ def wheelhouse(session: nox.Session) -> None:
 def versions(session: nox.Session) -> None:
     """Print each set's pins."""
     _run("versions", session)
-
-
-@nox.session(venv_backend="none")
-def bench(session: nox.Session) -> None:
-    """VRAM and tokens/s of each set as ratios against a baseline (`-- --sets seed,latest --smoke`); writes results/bench.md."""
-    _run("bench", session)
