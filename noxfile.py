@@ -26,7 +26,6 @@ def tests(session: nox.Session) -> None:
     _run("tests", session)
 
 
-
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """VRAM and tokens/s of each set as ratios against a baseline (`-- --sets seed,latest --smoke`); writes results/bench.md."""
