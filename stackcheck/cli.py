@@ -132,7 +132,7 @@ def run_matrix(args) -> int:
 
 def run_tests(args) -> int:
     (vset,) = _selected(args)
-    python = envs.build(vset, args.find_links, args.no_index, groups=("bench",))  # the tests run the bench's smoke mode
+    python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
     print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
     return _pytest(python, vset, ["tests"], args.pytest_args, None)
 
@@ -141,7 +141,7 @@ def _bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
     """Run tests/benchmarks in the set's environment into <set>.json; True when every benchmark ran."""
     output = results_dir / f"{vset.slug}.json"
     try:
-        python = envs.build(vset, args.find_links, args.no_index, groups=("bench",))
+        python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
     except envs.EnvBuildError as exc:
         output.unlink(missing_ok=True)  # the set is missing from this run's report, not shown with old numbers
         print(f"stackcheck: set {vset.name}: environment not built: {exc}", file=sys.stderr)
