@@ -80,9 +80,9 @@ class Profile:
     warmup: int  # untimed rounds before them
 
 
-# Sized so that `bench` over two sets, realistic size included, stays within about 8 minutes on an H100,
-# where model loads (about 5-10 s for the realistic size) cost more than the timed rounds: a realistic
-# decode round of 32 tokens takes about a second in HF eager mode, a tiny one of 16 tokens about 0.1 s.
+# Sized for `bench` over two sets, realistic size included, to fit about 8 minutes on an H100, where the
+# fixed costs (environments, a 10 GB bf16 checkpoint built and loaded six times per set) outweigh the timed
+# rounds. Estimates until the first GPU run (docs/bench.md) measures them.
 PROFILES = {
     ("tiny", False): Profile(prompt_tokens=64, new_tokens=16, rounds=10, warmup=2),
     ("realistic", False): Profile(prompt_tokens=512, new_tokens=32, rounds=5, warmup=1),
