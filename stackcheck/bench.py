@@ -82,7 +82,7 @@ class Profile:
 
 # Sized for `bench` over two sets, realistic size included, to fit about 8 minutes on an H100, where the
 # fixed costs (environments, a 10 GB bf16 checkpoint built and loaded six times per set) outweigh the timed
-# rounds. Estimates until the first GPU run (docs/bench.md) measures them.
+# rounds. Estimated: no GPU run has measured them yet.
 PROFILES = {
     ("tiny", False): Profile(prompt_tokens=64, new_tokens=16, rounds=10, warmup=2),
     ("realistic", False): Profile(prompt_tokens=512, new_tokens=32, rounds=5, warmup=1),
