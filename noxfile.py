@@ -28,6 +28,12 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """VRAM and tokens/s of each set as ratios against a baseline (`-- --sets seed,latest --smoke`); writes results/bench.md."""
+    _run("bench", session)
+
+
+@nox.session(venv_backend="none")
 def matrix(session: nox.Session) -> None:
     """The CPU lane of every set (or `-- --sets a,b --with pkg==ver`); writes results/matrix.{json,md}."""
     _run("matrix", session)

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, envs, results, wheelhouse
+from stackcheck import REPO_ROOT, bench_report, envs, results, wheelhouse
 from stackcheck.ledger import ERROR, Ledger
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
 
 DEFAULT_RESULTS = REPO_ROOT / "results" / "matrix.json"
+BENCH_RESULTS = REPO_ROOT / "results" / "bench"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,6 +51,18 @@ def _parser() -> argparse.ArgumentParser:
     house.add_argument("--platform", dest="platforms", action="append", help="wheel platform tag (default: manylinux x86-64)")
     house.add_argument("--cuda", help="keep only this CUDA build of the bitsandbytes binaries, e.g. 130 for CUDA 13.0")
     house.add_argument("--host-freeze", type=Path, help="the target's `pip list --format=freeze`: leave out what it has")
+
+    bench = commands.add_parser("bench", help="VRAM and tokens/s of each set, as ratios against a baseline set")
+    add_set_options(bench, many=True)
+    bench.add_argument("--baseline", help="the set the others are compared against (default: the first set)")
+    bench.add_argument("--size", choices=("tiny", "realistic", "all"), help="model size (default: all; tiny with --smoke)")
+    bench.add_argument("--smoke", action="store_true", help="few tokens and rounds; runs on the CPU when there is no GPU")
+    bench.add_argument("--repeat", type=int, default=0, metavar="N",
+                       help="measure the 4-bit decode N more times (N >= 2) and report its coefficient of variation")
+    bench.add_argument("--results", type=Path, default=BENCH_RESULTS,
+                       help="folder for <set>.json and the plots; the report is FOLDER.md (default: results/bench)")
+    bench.add_argument("--render-only", action="store_true", help="measure nothing: render bench.md from the JSON in --results")
+    bench.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
 
     commands.add_parser("refresh-latest", help="re-pin the `latest` set to the newest releases")
 
@@ -141,9 +155,56 @@ def run_matrix(args) -> int:
 
 def run_tests(args) -> int:
     (vset,) = _selected(args)
-    python = envs.build(vset, args.find_links, args.no_index)
+    python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
     print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
     return _pytest(python, vset, ["tests"], args.pytest_args, None)
+
+
+def _bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
+    """Run tests/benchmarks in the set's environment into <set>.json; True when every benchmark ran."""
+    output = results_dir / f"{vset.slug}.json"
+    try:
+        python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
+    except envs.EnvBuildError as exc:
+        output.unlink(missing_ok=True)  # the set is missing from this run's report, not shown with old numbers
+        print(f"stackcheck: set {vset.name}: environment not built: {exc}", file=sys.stderr)
+        return False
+    print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
+    output.unlink(missing_ok=True)  # a report never mixes this run with an older one
+    options = ["-q", "-m", "benchmark", f"--benchmark-json={output}", f"--stackcheck-bench-size={size}",
+               f"--stackcheck-bench-repeat={args.repeat}", *(["--stackcheck-bench-smoke"] if args.smoke else [])]
+    started = time.monotonic()
+    code = _pytest(python, vset, ["tests/benchmarks"], options + args.pytest_args, None)
+    print(f"== set {vset.name}: pytest exit {code}, bench {time.monotonic() - started:.1f} s", flush=True)
+    return code == 0
+
+
+def run_bench(args) -> int:
+    """Per set: build its environment with the bench extras and run tests/benchmarks into <set>.json;
+    then render the report and the plots from every set's JSON, as ratios against the baseline set."""
+    sets = _selected(args)
+    baseline = args.baseline or sets[0].name
+    if baseline not in [vset.name for vset in sets]:
+        raise UsageError(f"--baseline '{baseline}' is not among the sets run ({', '.join(v.name for v in sets)})")
+    if args.repeat < 0 or args.repeat == 1:
+        raise UsageError(f"--repeat {args.repeat}: a coefficient of variation needs N >= 2 measurements")
+    size = args.size or ("tiny" if args.smoke else "all")
+    if not (args.smoke or args.render_only):
+        print(f"== device: {envs.cuda_device()}", flush=True)  # no GPU: one line and exit 2; --smoke runs on the CPU
+    results_dir = args.results.resolve()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    failed = [] if args.render_only else [v.name for v in sets if not _bench_set(v, args, size, results_dir)]
+    runs = {vset.name: json.loads(path.read_text()) for vset in sets if (path := results_dir / f"{vset.slug}.json").exists()}
+    if baseline not in runs:
+        print(f"stackcheck: no bench results for the baseline set '{baseline}' in {results_dir}", file=sys.stderr)
+        return 1
+    markdown = results_dir.with_suffix(".md")
+    for note in bench_report.render(runs, baseline, markdown, results_dir):
+        print(f"stackcheck: {note}", file=sys.stderr)
+    print(f"wrote {markdown}")
+    if failed:
+        print(f"stackcheck: sets with failed or missing benchmarks: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def run_wheelhouse(args) -> int:
@@ -168,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             for vset in _selected(args):
                 print(f"{vset.name}: " + ", ".join(f"{k} {v}" for k, v in vset.pins.items()))
             return 0
+        if args.command == "bench":
+            return run_bench(args)
         if args.command == "refresh-latest":
             print(refresh_latest())
             return 0

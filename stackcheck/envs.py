@@ -30,9 +30,15 @@ class EnvBuildError(Exception):
     """The set's environment could not be built (a dependency conflict, a missing wheel)."""
 
 
-def test_requirements() -> list[str]:
-    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    return pyproject["project"]["optional-dependencies"]["test"]
+# Groups the `tests` and `bench` environments add: the tests run the bench's CPU smoke mode.
+BENCH_GROUPS = ("bench",)
+
+
+def test_requirements(groups: tuple[str, ...] = ()) -> list[str]:
+    """What an environment holds beside the set's pins and torch: pyproject's `test` extra, plus the
+    optional-dependency `groups` named."""
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return [requirement for group in ("test", *groups) for requirement in extras[group]]
 
 
 def torch_source(vset: VersionSet) -> tuple[list[str], bool]:
@@ -59,11 +65,13 @@ def _run(command: list[str]) -> None:
         raise EnvBuildError(f"`{' '.join(command[:3])} ...` exited with {completed.returncode}")
 
 
-def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False) -> Path:
-    """Create (or reuse, when its requirements are unchanged) the set's environment; return its python."""
+def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False, groups: tuple[str, ...] = ()) -> Path:
+    """Create (or reuse, when its requirements are unchanged) the set's environment; return its python.
+    `groups` are optional-dependency groups added to the test requirements (BENCH_GROUPS); each
+    combination gets its own environment, so commands that need different groups never rebuild each other's."""
     torch_requirements, inherit = torch_source(vset)
-    requirements = torch_requirements + vset.requirements() + test_requirements()
-    env = ENVS_DIR / vset.slug
+    requirements = torch_requirements + vset.requirements() + test_requirements(groups)
+    env = ENVS_DIR / "+".join([vset.slug, *groups])
     python = env / "bin" / "python"
     stamp = env / "stackcheck-requirements.txt"
     wanted = "\n".join(requirements + [f"inherit={inherit}", *find_links, f"no_index={no_index}"]) + "\n"

@@ -77,14 +77,15 @@ def load_base(quantized: bool = True, double_quant: bool = True, device_map=None
 
     if device_map is None:
         device_map = {"": str(main_device())}
+    return load_pretrained(Gemma4ForConditionalGeneration, tiny.base_checkpoint(), quantized, double_quant, device_map, **kwargs)
+
+
+def load_pretrained(model_class, checkpoint: Path, quantized: bool, double_quant: bool, device_map, **kwargs):
+    """`from_pretrained` in bf16; when `quantized`, bitsandbytes quantizes to NF4 while loading (a
+    `quantization_config` in kwargs, such as one with fp32 CPU offload, wins over the default one)."""
     if quantized:
         kwargs.setdefault("quantization_config", bnb_config(double_quant=double_quant))
-    return Gemma4ForConditionalGeneration.from_pretrained(
-        tiny.base_checkpoint(),
-        dtype=torch.bfloat16,
-        device_map=device_map,
-        **kwargs,
-    ).eval()
+    return model_class.from_pretrained(checkpoint, dtype=torch.bfloat16, device_map=device_map, **kwargs).eval()
 
 
 def linear4bit_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -103,12 +104,16 @@ def require_nested_linear4bit(name: str, module: torch.nn.Module) -> None:
     require(state is not None and state.nested, f"{name} has no nested (double-quant) quant state")
 
 
-def quant_state_devices(module: torch.nn.Module) -> set[str]:
-    state = module.weight.quant_state
+def quant_state_tensors(state) -> list[torch.Tensor]:
+    """The tensors of a bitsandbytes QuantState; with double quant, its nested state's too."""
     tensors = [state.absmax, state.code]
     if state.nested:
         tensors += [state.offset, state.state2.absmax, state.state2.code]
-    return {t.device.type for t in tensors}
+    return tensors
+
+
+def quant_state_devices(module: torch.nn.Module) -> set[str]:
+    return {t.device.type for t in quant_state_tensors(module.weight.quant_state)}
 
 
 def dispatch_with_offload(model, offload_dir: Path, offloaded_module: str):
@@ -164,10 +169,12 @@ def memory_pressure(model, fraction: float = 0.5) -> dict:
     return budget
 
 
-def peft_load(base, adapter: str, **kwargs):
+def peft_load(base, adapter: str | Path, **kwargs):
+    """`PeftModel.from_pretrained` with a tiny adapter fixture's name, or an adapter directory."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(base, tiny.adapter_checkpoint(adapter), is_trainable=False, **kwargs)
+    checkpoint = adapter if isinstance(adapter, Path) else tiny.adapter_checkpoint(adapter)
+    return PeftModel.from_pretrained(base, checkpoint, is_trainable=False, **kwargs)
 
 
 def offloaded_linear4bit(model, device_map: dict[str, object], offloaded_to: Iterable[str]) -> list[str]:

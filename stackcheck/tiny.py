@@ -1,4 +1,5 @@
-"""Tiny random Gemma 4 checkpoints and LoRA adapters, built from config with no network.
+"""Tiny random Gemma 4 checkpoints and LoRA adapters, built from config with no network; and for the
+benchmarks, one realistic-size random Gemma 4 text checkpoint with its adapter, built the same way.
 
 Config schemas change between transformers releases, so each checkpoint is built by the installed
 transformers and cached under a key made of its version and a hash of the fixture files.
@@ -35,13 +36,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("STACKCHECK_CACHE", REPO_ROOT / ".cache"))
 
 
-def _cache_dir() -> Path:
+def _cache_dir(model: str = "tiny-gemma4", fixtures: tuple[str, ...] = ("tiny_gemma4.json", "adapters.json")) -> Path:
     import transformers
 
     digest = hashlib.sha256()
-    for name in ("tiny_gemma4.json", "adapters.json"):
+    for name in fixtures:
         digest.update((FIXTURES_DIR / name).read_bytes())
-    return cache_root() / f"tiny-gemma4-transformers-{transformers.__version__}-{digest.hexdigest()[:12]}"
+    return cache_root() / f"{model}-transformers-{transformers.__version__}-{digest.hexdigest()[:12]}"
 
 
 def tiny_config():
@@ -111,3 +112,36 @@ def adapter_checkpoint(name: str) -> Path:
 
     return _build_once(_cache_dir() / f"adapter-{name}", build)
 
+
+
+REALISTIC_FIXTURE = "realistic_gemma4_text.json"
+
+
+def realistic_config():
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(**_fixture(REALISTIC_FIXTURE)["config"])
+
+
+@cache
+def realistic_checkpoint() -> Path:
+    """Directory holding `base/`, the bf16 safetensors checkpoint of a random `Gemma4ForCausalLM` of the
+    benchmarks' realistic size, and `adapter/`, a LoRA adapter on it (fixtures/realistic_gemma4_text.json).
+
+    Built on the GPU when there is one (seconds there, against minutes of CPU init for ~5B parameters),
+    then loaded back through `from_pretrained`, so that bitsandbytes quantizes it on the real loading path.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Gemma4ForCausalLM
+
+    def build(out: Path) -> None:
+        torch.manual_seed(SEED)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = Gemma4ForCausalLM(realistic_config()).to(torch.bfloat16).eval()
+        model.save_pretrained(out / "base", safe_serialization=True)
+        torch.manual_seed(SEED + 1)
+        adapter = LoraConfig(init_lora_weights=False, **_fixture(REALISTIC_FIXTURE)["adapter"])
+        get_peft_model(model, adapter).save_pretrained(out / "adapter")
+
+    return _build_once(_cache_dir("gemma4-text-realistic", (REALISTIC_FIXTURE,)), build)

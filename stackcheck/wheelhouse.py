@@ -27,7 +27,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
-from stackcheck.envs import EnvBuildError, test_requirements
+from stackcheck.envs import BENCH_GROUPS, EnvBuildError, test_requirements
 from stackcheck.versions import UsageError, VersionSet
 
 MANYLINUX_X86_64 = [f"manylinux_2_{minor}_x86_64" for minor in range(17, 40)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
@@ -107,13 +107,14 @@ class Downloader:
 
 
 def wheels_for_set(vset: VersionSet, download, markers: dict, host: dict[str, Version], cuda: str | None) -> list[Path]:
-    """Walk the set's requirements (its pins and the test extras) to the wheels the target lacks."""
+    """Walk the set's requirements (its pins, the test extras and the bench's, which `tests` and `bench`
+    install) to the wheels the target lacks."""
     if any(pin.url for pin in vset.pins.values()):
         raise UsageError(f"set '{vset.name}': the wheelhouse takes released versions only; pin a built wheel with NAME=PATH and copy it in")
     wanted: dict[str, SpecifierSet] = {}
     chosen: dict[str, tuple[Version, Path]] = {}
     walked: set[tuple[str, Version, frozenset]] = set()  # (package, version, extras) whose needs are queued
-    queue = [Requirement(r) for r in vset.requirements() + test_requirements()]
+    queue = [Requirement(r) for r in vset.requirements() + test_requirements(BENCH_GROUPS)]
     while queue:
         requirement = queue.pop(0)
         if requirement.marker and not any(

@@ -36,7 +36,7 @@ class FakeIndex:
 
 
 def test_walk_skips_torch_and_what_the_host_has_and_follows_extras(tmp_path, monkeypatch):
-    monkeypatch.setattr(wheelhouse, "test_requirements", lambda: ["pytest==9.2.0"])
+    monkeypatch.setattr(wheelhouse, "test_requirements", lambda groups=(): ["pytest==9.2.0"])
     (vset,) = resolve(["seed"])
     index = FakeIndex(tmp_path, {
         "transformers": {"5.6.2": ["huggingface-hub>=1.3,<2", "tokenizers<0.23,>=0.22", "numpy>=1.17"]},
@@ -58,7 +58,7 @@ def test_walk_skips_torch_and_what_the_host_has_and_follows_extras(tmp_path, mon
 
 
 def test_a_host_torch_outside_a_pin_is_a_user_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(wheelhouse, "test_requirements", lambda: [])
+    monkeypatch.setattr(wheelhouse, "test_requirements", lambda groups=(): [])
     (vset,) = resolve(["seed"])
     index = FakeIndex(tmp_path, {"transformers": {"5.6.2": []}, "peft": {"0.19.1": ["torch>=2.12"]},
                                  "accelerate": {"1.13.0": []}, "bitsandbytes": {"0.49.2": []}})

@@ -1,0 +1,103 @@
+"""Reading and comparing bench JSON, without torch: `compare` is the pure function a gate runs on a
+candidate and a baseline run, against the documented THRESHOLDS.
+
+A bench JSON is pytest-benchmark's `--benchmark-json` output of tests/benchmarks: one entry per (size,
+case, phase) whose `stats` are seconds per timed round (median, IQR, ...) and whose `extra_info` holds
+what a round produced (tokens), memory, parameters, weight bytes and, for decode, the weight bytes read
+per token; plus a top-level `stackcheck` block (set, versions, device, mode, bandwidth, synthetic
+slowdown) written by stackcheck.bench_plugin.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+# The test-only switch read by stackcheck.bench.timed; see stackcheck.bench.synthetic_slowdown.
+SYNTHETIC_SLOWDOWN_ENV = "STACKCHECK_BENCH_SYNTHETIC_SLOWDOWN"
+
+
+@dataclass(frozen=True)
+class Threshold:
+    metric: str
+    limit: float  # on the ratio candidate / baseline
+    higher_is_better: bool
+
+    def breached(self, ratio: float) -> bool:
+        return ratio < self.limit if self.higher_is_better else ratio > self.limit
+
+
+# A candidate fails when any case loses more than 10% of its tokens/s or needs 10% more VRAM than the
+# baseline measured in the same run. Host-side numbers and NVML are reported, not gated: they include
+# other processes and the CUDA context.
+THRESHOLDS = (
+    Threshold("decode_tokens_per_s", 0.90, higher_is_better=True),
+    Threshold("prefill_tokens_per_s", 0.90, higher_is_better=True),
+    Threshold("peak_allocated_bytes", 1.10, higher_is_better=False),
+    Threshold("peak_reserved_bytes", 1.10, higher_is_better=False),
+)
+
+
+def coefficient_of_variation(values: list[float]) -> float:
+    return statistics.stdev(values) / statistics.mean(values)
+
+
+def summarize(run: dict) -> dict[str, dict]:
+    """Per case, keyed 'size/case': tokens/s of each phase (tokens per round over the median round) and
+    its spread (IQR over median), the decode repeats' tokens/s, memory (each metric's highest sample over
+    the case's benchmarks), parameters, weight bytes and decode weight bytes per token."""
+    cases: dict[str, dict] = {}
+    for entry in run["benchmarks"]:
+        info, stats = entry["extra_info"], entry["stats"]
+        row = cases.setdefault(f"{info['size']}/{info['case']}", {"size": info["size"], "case": info["case"]})
+        tokens_per_s = info["tokens"] / stats["median"]
+        if info["phase"] == "decode_repeat":
+            row.setdefault("decode_repeat_tokens_per_s", []).append(tokens_per_s)
+        else:
+            row[f"{info['phase']}_tokens_per_s"] = tokens_per_s
+            row[f"{info['phase']}_spread"] = stats["iqr"] / stats["median"]
+        for metric, value in info["memory"].items():
+            if value is not None:
+                row[metric] = max(row.get(metric, value), value)
+        row["parameters"] = info["parameters"]
+        row["weights"] = info["weights"]
+        if "decode_weight_bytes_per_token" in info:
+            row["decode_weight_bytes_per_token"] = info["decode_weight_bytes_per_token"]
+    return cases
+
+
+def compare(candidate: dict, baseline: dict, thresholds: tuple[Threshold, ...] = THRESHOLDS) -> list[str]:
+    """Problems of a candidate bench JSON against a baseline one, as one line each (none: it passes).
+
+    Ratios are candidate / baseline per case and metric, checked against `thresholds`; a metric one of
+    the two runs could not measure (VRAM on a CPU run) is not compared. Also a problem: a case the
+    baseline has and the candidate lacks, a different model, runs of different modes or devices, and a
+    candidate measured with the test-only synthetic slowdown."""
+    problems = []
+    ours, theirs = candidate.get("stackcheck", {}), baseline.get("stackcheck", {})
+    slowdown = ours.get("synthetic_slowdown", 1.0)
+    if slowdown != 1.0:
+        problems.append(f"candidate was measured with the test-only synthetic slowdown {slowdown} ({SYNTHETIC_SLOWDOWN_ENV})")
+    for field in ("mode", "device"):
+        if ours.get(field) != theirs.get(field):
+            problems.append(f"not comparable: candidate {field} {ours.get(field)!r}, baseline {theirs.get(field)!r}")
+    measured = summarize(candidate)
+    for key, reference in summarize(baseline).items():
+        row = measured.get(key)
+        if row is None:
+            problems.append(f"{key}: in the baseline, missing from the candidate (its benchmark failed or did not run)")
+            continue
+        if row["parameters"] != reference["parameters"]:
+            problems.append(f"{key}: not comparable: {row['parameters']} parameters, baseline {reference['parameters']}")
+            continue
+        for threshold in thresholds:
+            if not row.get(threshold.metric) or not reference.get(threshold.metric):
+                continue
+            ratio = row[threshold.metric] / reference[threshold.metric]
+            if threshold.breached(ratio):
+                sign = "<" if threshold.higher_is_better else ">"
+                problems.append(
+                    f"{key}: {threshold.metric} ratio {ratio:.3f} {sign} {threshold.limit} "
+                    f"({row[threshold.metric]:.4g} vs baseline {reference[threshold.metric]:.4g})"
+                )
+    return problems

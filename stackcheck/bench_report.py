@@ -1,0 +1,212 @@
+"""results/bench.md and one PNG per metric, rendered from each set's bench JSON: every set's numbers side
+by side, as ratios against a baseline set measured in the same run, with the gate's verdict, the decode
+roofline, expected against measured weight bytes, and the repeatability of the 4-bit decode.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from stackcheck import bench_compare
+
+MIB = 1 << 20
+
+
+def _number(value: float, scale: float = 1) -> str:
+    return f"{value / scale:,.1f}"
+
+
+# (metric, title, unit, scale: value / scale is in `unit`); the memory keys are stackcheck.bench.MemoryTracker's.
+METRICS = (
+    ("decode_tokens_per_s", "Decode tokens/s (batch 1)", "tokens/s", 1),
+    ("prefill_tokens_per_s", "Prefill tokens/s", "tokens/s", 1),
+    ("peak_allocated_bytes", "Peak allocated VRAM (torch allocator)", "MiB", MIB),
+    ("peak_reserved_bytes", "Peak reserved VRAM (torch allocator)", "MiB", MIB),
+    ("nvml_used_bytes", "Device memory used (NVML: all processes and the CUDA context)", "MiB", MIB),
+    ("host_peak_rss_bytes", "Host peak RSS", "MiB", MIB),
+    ("host_rss_delta_bytes", "Host RSS growth over the case (the CPU side of split maps)", "MiB", MIB),
+)
+
+
+def render(runs: dict[str, dict], baseline: str, markdown: Path, plots_dir: Path) -> list[str]:
+    """Write `markdown` and a PNG per metric into `plots_dir` from `runs` (set name -> bench JSON, in
+    report order, `baseline` among them). Returns notes for the console, such as plots left out."""
+    summaries = {name: bench_compare.summarize(run) for name, run in runs.items()}
+    cases = list(dict.fromkeys(key for summary in summaries.values() for key in summary))
+    notes = []
+    plots = _plot(summaries, cases, plots_dir, notes)
+    relative = os.path.relpath(plots_dir, markdown.parent)
+    lines = [
+        "# stackcheck bench",
+        "",
+        f"Baseline set: **{baseline}**. A ratio is a set's value over the baseline's, both measured in this run; "
+        "absolute numbers from different runs are not comparable.",
+        "",
+        *_runs_table(runs),
+        *_gate(runs, baseline),
+    ]
+    for metric, title, unit, scale in METRICS:
+        lines += _metric_table(summaries, cases, baseline, metric, title, unit, scale)
+    lines += _roofline(runs, summaries)
+    lines += _weights(summaries)
+    lines += _repeatability(summaries)
+    if plots:
+        lines += ["## Plots", ""] + [f"![{title}]({relative}/{name})" for name, title in plots] + [""]
+    markdown.parent.mkdir(parents=True, exist_ok=True)
+    markdown.write_text("\n".join(lines))
+    return notes
+
+
+def _runs_table(runs: dict[str, dict]) -> list[str]:
+    lines = ["| set | torch | transformers | peft | accelerate | bitsandbytes | device | mode | copy bandwidth | spec bandwidth | synthetic slowdown |",
+             "|---" * 11 + "|"]
+    for name, run in runs.items():
+        meta = run.get("stackcheck", {})
+        versions = meta.get("versions", {})
+        bandwidth = meta.get("bandwidth") or {}
+        measured, spec = bandwidth.get("measured_bytes_per_s"), bandwidth.get("spec_bytes_per_s")
+        slowdown = meta.get("synthetic_slowdown", 1.0)
+        cols = [versions.get(k, "") for k in ("torch", "transformers", "peft", "accelerate", "bitsandbytes")]
+        cols += [meta.get("device", ""), meta.get("mode", ""),
+                 f"{measured / 1e12:.3f} TB/s" if measured else "", f"{spec / 1e12:.2f} TB/s" if spec else "",
+                 "none" if slowdown == 1.0 else f"**{slowdown} (test-only)**"]
+        lines.append(f"| {name} | " + " | ".join(cols) + " |")
+    return lines + [""]
+
+
+def _gate(runs: dict[str, dict], baseline: str) -> list[str]:
+    rules = "; ".join(
+        f"{t.metric} ratio {'<' if t.higher_is_better else '>'} {t.limit} fails" for t in bench_compare.THRESHOLDS
+    )
+    lines = ["## Gate", "", f"Thresholds (stackcheck.bench_compare.THRESHOLDS): {rules}.", ""]
+    for name, run in runs.items():
+        if name == baseline:
+            continue
+        problems = bench_compare.compare(run, runs[baseline])
+        lines.append(f"- **{name}** against {baseline}: " + ("pass" if not problems else f"**fail**, {len(problems)} problem(s)"))
+        lines += [f"  - {problem}" for problem in problems]
+    return lines + [""]
+
+
+def _metric_table(summaries, cases, baseline, metric, title, unit, scale) -> list[str]:
+    if not any(metric in summary.get(key, {}) for summary in summaries.values() for key in cases):
+        return []
+    spread = metric.replace("tokens_per_s", "spread") if metric.endswith("tokens_per_s") else None
+    lines = [f"## {title}", "", f"{unit}" + (", median of the timed rounds ± IQR/median" if spread else ""), "",
+             "| case | " + " | ".join(summaries) + " |", "|---" * (len(summaries) + 1) + "|"]
+    for key in cases:
+        reference = summaries[baseline].get(key, {}).get(metric)
+        cells = []
+        for name, summary in summaries.items():
+            row = summary.get(key, {})
+            if metric not in row:
+                cells.append("")
+                continue
+            cell = _number(row[metric], scale)
+            if spread:
+                cell += f" ±{row[spread]:.0%}"
+            if name != baseline and reference:
+                cell += f" (×{row[metric] / reference:.3f})"
+            cells.append(cell)
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _roofline(runs, summaries) -> list[str]:
+    lines = ["## Decode roofline (batch 1)", "",
+             "Upper bound = copy bandwidth measured in the same run / weight bytes one decode step reads (every "
+             "parameter of each module the step runs, 4-bit quant state included, one row of each embedding "
+             "table, all of the tied lm_head). KV-cache and activation traffic are left out, so the bound is "
+             "optimistic; the spec column divides the datasheet bandwidth instead.", "",
+             "| set | case | weight MiB/token | bound tokens/s | measured tokens/s | fraction of bound | fraction of spec bound |",
+             "|---" * 7 + "|"]
+    for name, summary in summaries.items():
+        bandwidth = runs[name].get("stackcheck", {}).get("bandwidth") or {}
+        measured_bw, spec_bw = bandwidth.get("measured_bytes_per_s"), bandwidth.get("spec_bytes_per_s")
+        for key, row in summary.items():
+            per_token, speed = row.get("decode_weight_bytes_per_token"), row.get("decode_tokens_per_s")
+            if not (per_token and speed and measured_bw):
+                continue
+            bound = measured_bw / per_token
+            spec = f"{speed / (spec_bw / per_token):.1%}" if spec_bw else ""
+            lines.append(f"| {name} | {key} | {_number(per_token, MIB)} | {_number(bound)} | {_number(speed)} | {speed / bound:.1%} | {spec} |")
+    return lines + [""]
+
+
+def _weights(summaries) -> list[str]:
+    lines = ["## Weights: expected and measured", "",
+             "Expected = the arithmetic (NF4: 0.5 byte/parameter + one fp32 absmax per 64-value block, or with "
+             "double quant one 8-bit absmax per block + one fp32 absmax per 256 blocks; everything else numel × "
+             "its dtype's size). Stored = the tensors really held: the gap stored − expected is what the "
+             "arithmetic leaves out, the quant states' code tables and offsets and the model's buffers. "
+             "Allocated = torch allocator growth over the load (GPU only): the gap allocated − stored is the "
+             "allocator's rounding of each tensor up to 512 bytes plus anything the load left allocated. "
+             "Host-side = weights on the CPU or offloaded by accelerate (`meta`).", "",
+             "| set | case | expected MiB | stored MiB | allocated MiB | allocated / expected | stored − expected KiB "
+             "| allocated − stored KiB | host-side expected MiB |",
+             "|---" * 9 + "|"]
+    for name, summary in summaries.items():
+        for key, row in summary.items():
+            weights = row["weights"]
+            main = "cuda" if "cuda" in weights["expected"] else "cpu"
+            expected, stored = weights["expected"].get(main, 0), weights["stored"].get(main, 0)
+            allocated = weights.get("allocated_after_load")
+            host = sum(v for device, v in weights["expected"].items() if device != main)
+            on_gpu = allocated is not None
+            cells = [_number(expected, MIB), _number(stored, MIB), _number(allocated, MIB) if on_gpu else "",
+                     f"{allocated / expected:.4f}" if on_gpu and expected else "", _number(stored - expected, 1024),
+                     _number(allocated - stored, 1024) if on_gpu else "", _number(host, MIB) if host else ""]
+            lines.append(f"| {name} | {key} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _repeatability(summaries) -> list[str]:
+    rows = [(name, key, row["decode_repeat_tokens_per_s"]) for name, summary in summaries.items()
+            for key, row in summary.items() if len(row.get("decode_repeat_tokens_per_s", [])) >= 2]
+    if not rows:
+        return []
+    lines = ["## Repeatability of the 4-bit decode", "",
+             "Independent measurements in one sitting (warm-up and timed rounds each); target CV ≤ 3%.", "",
+             "| set | case | N | tokens/s (median of each) | coefficient of variation |", "|---" * 5 + "|"]
+    for name, key, values in rows:
+        lines.append(f"| {name} | {key} | {len(values)} | {', '.join(_number(v) for v in values)} | "
+                     f"{bench_compare.coefficient_of_variation(values):.2%} |")
+    return lines + [""]
+
+
+def _plot(summaries, cases, plots_dir: Path, notes: list[str]) -> list[tuple[str, str]]:
+    """One PNG per metric with data: a panel per model size, a group of bars per case, a bar per set."""
+    try:
+        import matplotlib
+    except ImportError:
+        notes.append("matplotlib is not installed: wrote the report without plots (pip install 'stackcheck[bench]')")
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for metric, title, unit, scale in METRICS:
+        sizes = list(dict.fromkeys(k.split("/")[0] for k in cases if any(metric in s.get(k, {}) for s in summaries.values())))
+        if not sizes:
+            continue
+        figure, axes = plt.subplots(1, len(sizes), figsize=(7 * len(sizes), 4.5), squeeze=False)
+        for axis, size in zip(axes[0], sizes):
+            keys = [k for k in cases if k.startswith(size + "/")]
+            width = 0.8 / len(summaries)
+            for index, (name, summary) in enumerate(summaries.items()):
+                values = [summary.get(k, {}).get(metric, 0) / scale for k in keys]
+                axis.bar([i + index * width for i in range(len(keys))], values, width, label=name)
+            axis.set_xticks([i + width * (len(summaries) - 1) / 2 for i in range(len(keys))])
+            axis.set_xticklabels([k.split("/", 1)[1] for k in keys], rotation=30, ha="right")
+            axis.set_title(f"{size} model")
+            axis.set_ylabel(unit)
+            axis.legend()
+        figure.suptitle(title)
+        figure.tight_layout()
+        filename = f"{metric}.png"
+        figure.savefig(plots_dir / filename, dpi=100)
+        plt.close(figure)
+        written.append((filename, title))
+    return written

@@ -1,0 +1,55 @@
+"""VRAM and tokens/s of every bench case (stackcheck.bench.CASES) on the tiny and the realistic model.
+
+Each (size, case) is loaded once, under its memory tracker, and shared by its benchmarks: prefill (the
+prompt's forward) and decode (`new_tokens` greedy steps after an untimed prefill). pytest-benchmark times
+each over warm-up and timed rounds through bench.timed, which returns only once the GPU is done. With
+--stackcheck-bench-repeat N, the 4-bit decode is measured N more times for its coefficient of variation.
+Numbers are recorded, never asserted: stackcheck.bench.compare judges them against a baseline set.
+"""
+
+import pytest
+
+from stackcheck import bench
+from stackcheck.bench_plugin import bench_sizes
+
+pytestmark = pytest.mark.benchmark
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    device = bench.bench_device()
+    cases = [(size, case) for size in bench_sizes(metafunc.config) for case in bench.cases_for(size, device)]
+    if metafunc.definition.originalname == "test_decode_repeat":
+        cases = [(size, case) for size, case in cases if case == bench.REPEAT_CASE]
+        metafunc.parametrize("repeat", range(metafunc.config.getoption("--stackcheck-bench-repeat")))
+    metafunc.parametrize("loaded", cases, indirect=True, scope="module", ids="-".join)
+
+
+@pytest.fixture(scope="module")
+def loaded(request, bench_device):
+    size, case = request.param
+    profile = bench.PROFILES[size, request.config.getoption("--stackcheck-bench-smoke")]
+    run = bench.CaseRun(size, case, bench_device, profile)
+    yield run
+    run.close()
+
+
+def measure(run: bench.CaseRun, benchmark, phase: str) -> None:
+    if phase == "prefill":
+        target, setup = run.prefill, lambda: bench.synchronize(run.device)
+    else:
+        target, setup = run.decode, run.start_decode
+    benchmark.pedantic(bench.timed(target, run.device), setup=setup, rounds=run.profile.rounds,
+                       warmup_rounds=run.profile.warmup)
+    benchmark.extra_info.update(run.extra_info(phase))
+
+
+def test_prefill(loaded, benchmark):
+    measure(loaded, benchmark, "prefill")
+
+
+def test_decode(loaded, benchmark):
+    measure(loaded, benchmark, "decode")
+
+
+def test_decode_repeat(loaded, repeat, benchmark):
+    measure(loaded, benchmark, "decode_repeat")

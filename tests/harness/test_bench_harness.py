@@ -1,0 +1,172 @@
+"""The bench harness on the CPU, as CI runs it: the smoke bench writes a complete pytest-benchmark JSON for
+both sizes, `compare` passes a run against itself and fails one slowed through the test-only switch, the
+weight arithmetic matches what bitsandbytes stores, the timed decode does generate()'s work, the report
+renders, and the default test run leaves the benchmarks out."""
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stackcheck import REPO_ROOT, bench, bench_compare, bench_report, cli, scenario, tiny
+from stackcheck.versions import UsageError
+
+pytest.importorskip("pytest_benchmark", reason="the bench needs the `bench` extra (`nox -s tests` installs it)")
+
+SMOKE_CASES = {"bf16", "nf4", "nf4_dq", "nf4_dq_lora", "nf4_dq_merged", "bf16_merged"}  # no split map on the CPU
+# The realistic model's shape, shrunk so that the harness builds and runs it on the CPU in seconds.
+SHRUNK_REALISTIC = {
+    "config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "global_head_dim": 64,
+               "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 16, "sliding_window": 16},
+    "adapter": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
+}
+
+
+def run_bench(out: Path, *arguments: str, env: dict | None = None) -> dict:
+    completed = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "benchmark", "--stackcheck-bench-smoke",
+         f"--benchmark-json={out}", *arguments],
+        cwd=REPO_ROOT, env=dict(os.environ, **(env or {})), capture_output=True, text=True, check=False,
+    )
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> dict:
+    """One smoke run of both sizes with two decode repeats, the realistic model shrunk."""
+    fixtures = tmp_path_factory.mktemp("fixtures")
+    for name in ("tiny_gemma4.json", "adapters.json"):  # copied as they are, so the tiny cache still hits
+        (fixtures / name).write_bytes((tiny.FIXTURES_DIR / name).read_bytes())
+    (fixtures / tiny.REALISTIC_FIXTURE).write_text(json.dumps(SHRUNK_REALISTIC))
+    return run_bench(tmp_path_factory.mktemp("bench") / "smoke.json", "tests/benchmarks", "--stackcheck-bench-size=all",
+                     "--stackcheck-bench-repeat=2", env={"STACKCHECK_FIXTURES": str(fixtures)})
+
+
+def test_smoke_bench_records_every_case_and_metric(smoke):
+    meta = smoke["stackcheck"]
+    assert meta["mode"] == "smoke" and meta["synthetic_slowdown"] == 1.0 and meta["cpu_threads"] == 1
+    assert meta["bandwidth"]["measured_bytes_per_s"] > 0 and meta["versions"]["transformers"]
+    summary = bench_compare.summarize(smoke)
+    assert set(summary) == {f"{size}/{case}" for size in ("tiny", "realistic") for case in SMOKE_CASES}
+    for key, row in summary.items():
+        assert row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0, key
+        assert row["host_rss_bytes"] > 0 and row["host_peak_rss_bytes"] >= row["host_rss_bytes"], key
+        assert row["weights"]["expected"]["cpu"] > 0 and row["decode_weight_bytes_per_token"] > 0, key
+    for size in ("tiny", "realistic"):
+        assert len(summary[f"{size}/nf4_dq"]["decode_repeat_tokens_per_s"]) == 2
+        # 4-bit weights: about a quarter of bf16's; the adapter adds parameters, merging keeps the count
+        assert summary[f"{size}/nf4_dq"]["weights"]["expected"]["cpu"] < summary[f"{size}/bf16"]["weights"]["expected"]["cpu"] / 2
+        assert summary[f"{size}/nf4_dq_lora"]["parameters"] > summary[f"{size}/nf4_dq"]["parameters"]
+        assert summary[f"{size}/nf4_dq_merged"]["parameters"] == summary[f"{size}/bf16"]["parameters"]
+
+
+def test_compare_passes_a_run_against_itself(smoke):
+    assert bench_compare.compare(smoke, smoke) == []
+
+
+def test_synthetic_slowdown_fails_the_comparison(smoke, tmp_path):
+    """The test-only switch slows the timed calls 10x; the comparison must fail on both tokens/s ratios,
+    name the switch, and miss the cases the slowed run left out."""
+    bf16 = [f"tests/benchmarks/test_bench.py::test_{phase}[tiny-bf16]" for phase in ("prefill", "decode")]
+    slowed = run_bench(tmp_path / "slowed.json", *bf16, env={bench_compare.SYNTHETIC_SLOWDOWN_ENV: "0.1"})
+    assert slowed["stackcheck"]["synthetic_slowdown"] == 0.1
+    problems = bench_compare.compare(slowed, smoke)
+    assert any(p.startswith("candidate was measured with the test-only synthetic slowdown 0.1") for p in problems)
+    assert any(p.startswith("tiny/bf16: decode_tokens_per_s ratio") for p in problems), problems
+    assert any(p.startswith("tiny/bf16: prefill_tokens_per_s ratio") for p in problems), problems
+    assert any(p.startswith("tiny/nf4: in the baseline, missing from the candidate") for p in problems), problems
+
+
+def test_compare_fails_vram_growth_past_the_threshold(smoke):
+    """VRAM is not measured on the CPU, so both runs get the same peaks, the candidate's 20% higher."""
+    baseline, candidate = copy.deepcopy(smoke), copy.deepcopy(smoke)
+    for run, peak in ((baseline, 1000), (candidate, 1200)):
+        for entry in run["benchmarks"]:
+            entry["extra_info"]["memory"]["peak_allocated_bytes"] = peak
+    problems = bench_compare.compare(candidate, baseline)
+    assert problems and all("peak_allocated_bytes ratio 1.200 > 1.1" in p for p in problems)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_weight_arithmetic_matches_what_bitsandbytes_stores(double_quant):
+    """Per 4-bit layer, the arithmetic is exactly the packed weight plus its absmax (with double quant
+    the 8-bit absmax plus the second-level fp32 one); the rest of the quant state is the known gap."""
+    model = scenario.load_base(double_quant=double_quant)
+    layers = scenario.linear4bit_modules(model)
+    assert layers
+    for name, module in layers.items():
+        state = module.weight.quant_state
+        data = module.weight.nbytes + state.absmax.nbytes + (state.state2.absmax.nbytes if double_quant else 0)
+        assert bench.expected_param_bytes(module.weight) == data, name
+        assert bench.stored_bytes(module.weight) > data, name
+    norm = next(p for n, p in model.named_parameters() if n.endswith("norm.weight"))
+    assert bench.expected_param_bytes(norm) == bench.stored_bytes(norm) == norm.numel() * 2
+
+
+def test_timed_decode_produces_the_tokens_generate_does():
+    run = bench.CaseRun("tiny", "nf4_dq", torch.device("cpu"), bench.PROFILES["tiny", True])
+    args, _ = run.start_decode()
+    first = args[1]
+    last = run.decode(*args)
+    generated = run.model.generate(input_ids=run.prompt, max_new_tokens=run.profile.new_tokens + 1,
+                                   min_new_tokens=run.profile.new_tokens + 1, do_sample=False)
+    assert generated[0, run.prompt.shape[1]].item() == first.item()
+    assert generated[0, -1].item() == last.item()
+
+
+def test_report_renders_ratios_gate_and_plots(smoke, tmp_path):
+    slower = copy.deepcopy(smoke)
+    for entry in slower["benchmarks"]:
+        entry["stats"]["median"] *= 2
+    notes = bench_report.render({"base": smoke, "candidate": slower}, "base", tmp_path / "bench.md", tmp_path / "bench")
+    markdown = (tmp_path / "bench.md").read_text()
+    assert "- **candidate** against base: **fail**" in markdown
+    assert "(×0.500)" in markdown
+    for section in ("## Decode tokens/s", "## Prefill tokens/s", "## Decode roofline", "## Weights: expected and measured",
+                    "## Repeatability of the 4-bit decode", "## Host peak RSS"):
+        assert section in markdown
+    if importlib.util.find_spec("matplotlib") is None:
+        assert any("matplotlib is not installed" in note for note in notes)
+    else:
+        assert (tmp_path / "bench" / "decode_tokens_per_s.png").stat().st_size > 0
+        assert "![Decode tokens/s (batch 1)](bench/decode_tokens_per_s.png)" in markdown
+
+
+def test_plain_runs_leave_the_benchmarks_out():
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/benchmarks", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "not gpu"],
+        cwd=REPO_ROOT, capture_output=True, text=True, check=False,
+    ).stdout
+    assert "no tests collected" in collected and "deselected" in collected, collected
+
+
+def test_synthetic_slowdown_must_be_a_factor(monkeypatch):
+    monkeypatch.setenv(bench_compare.SYNTHETIC_SLOWDOWN_ENV, "2")
+    with pytest.raises(UsageError, match=r"expected a factor in \(0, 1\]"):
+        bench.synthetic_slowdown()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--sets", "seed", "--baseline", "latest"], "stackcheck: --baseline 'latest' is not among the sets run (seed)"),
+        (["bench", "--sets", "seed", "--repeat", "1"], "stackcheck: --repeat 1: a coefficient of variation needs N >= 2 measurements"),
+    ],
+)
+def test_bench_user_errors_print_one_line_and_exit_2(argv, message, capsys):
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip() == message
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_full_bench_without_a_gpu_is_refused_in_one_line(capsys):
+    assert cli.main(["bench", "--sets", "seed"]) == 2
+    assert capsys.readouterr().err.strip().startswith("stackcheck: no GPU: ")
