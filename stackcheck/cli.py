@@ -84,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--candidate", help="candidate set name (default: the baseline set, with the --with pins)")
     gate.add_argument("--families", help="comma-separated families (default: all)")
     gate.add_argument("--output", type=Path, default=REPO_ROOT / "results" / "gate", help="folder for matrix.json and summary.md")
+    gate.add_argument("--bench", choices=("smoke", "tiny", "realistic", "all"),
+                      help="also compare the bench of both sets as ratios (smoke runs on the CPU)")
 
     merge = commands.add_parser("merge", help="merge per-job matrix.json files into one matrix.json and matrix.md")
     merge.add_argument("inputs", nargs="+", type=Path, help="matrix.json files")

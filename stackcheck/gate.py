@@ -2,17 +2,20 @@
 through the same families; fail on a regression, pass on improvements alone.
 
 The comparison is pure: `compare(baseline, candidate)` takes two results dicts (matrix.json data of one
-set each) and returns findings, one list per check in CHECKS. Another measurement (VRAM, tokens/s as
-ratios against thresholds) joins as one more check function over the same two dicts.
+set each) and returns findings, one list per check in CHECKS. With `--bench SIZE` each dict also carries
+the set's bench JSON under "bench", and `bench_ratios` fails tokens/s and VRAM ratios past
+`bench_compare.THRESHOLDS` (decode or prefill tokens/s below 0.90 of the baseline, VRAM above 1.10).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stackcheck import REPO_ROOT, lane, results
+from stackcheck import REPO_ROOT, bench_compare, lane, results
 from stackcheck.ledger import ERROR, FIXED, NEW_FAILURE, PASS
 from stackcheck.versions import PACKAGES, UsageError, default_set, resolve
 
@@ -67,7 +70,17 @@ def family_verdicts(baseline: dict, candidate: dict) -> list[Finding]:
     return findings
 
 
-CHECKS: list[Callable[[dict, dict], list[Finding]]] = [family_verdicts]
+def bench_ratios(baseline: dict, candidate: dict) -> list[Finding]:
+    """Each problem bench_compare finds in the candidate's bench run against the baseline's is a regression."""
+    if "bench" not in baseline or "bench" not in candidate:
+        return []
+    return [
+        Finding("bench", problem.split(":", 1)[0], "baseline", "candidate", REGRESSION, problem)
+        for problem in bench_compare.compare(candidate["bench"], baseline["bench"])
+    ]
+
+
+CHECKS: list[Callable[[dict, dict], list[Finding]]] = [family_verdicts, bench_ratios]
 
 
 def compare(baseline: dict, candidate: dict, checks=CHECKS) -> list[Finding]:
@@ -103,6 +116,19 @@ def render_summary(baseline: dict, candidate: dict, findings: list[Finding]) -> 
     return "\n".join(lines) + "\n"
 
 
+def _bench(vset, args) -> dict:
+    """The set's bench JSON, measured in this gate run (both sets on the same machine, one after the other)."""
+    from stackcheck import cli  # cli imports this module lazily
+
+    smoke = args.bench == "smoke"
+    options = argparse.Namespace(find_links=args.find_links, no_index=args.no_index, repeat=0, smoke=smoke, pytest_args=[])
+    folder = args.output / "bench"
+    folder.mkdir(parents=True, exist_ok=True)
+    output = folder / f"{vset.slug}.json"
+    cli._bench_set(vset, options, "tiny" if smoke else args.bench, folder)
+    return json.loads(output.read_text()) if output.exists() else {"benchmarks": [], "stackcheck": {}}
+
+
 def run(args) -> int:
     """The `gate` command: 1 on any regression, 0 otherwise (2, through the CLI, on a usage error)."""
     (baseline,) = resolve([args.sets or default_set().name])
@@ -117,6 +143,9 @@ def run(args) -> int:
         lane.run(vset, targets, matrix, args.find_links, args.no_index)
     data = results.load(matrix)
     before, after = one_set(data, baseline.name), one_set(data, candidate.name)
+    if args.bench:
+        for vset, side in ((baseline, before), (candidate, after)):
+            side["bench"] = _bench(vset, args)
     findings = compare(before, after)
     summary = render_summary(before, after, findings)
     (args.output / "summary.md").write_text(summary)

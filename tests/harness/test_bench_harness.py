@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stackcheck import REPO_ROOT, bench, bench_compare, bench_report, cli, scenario, tiny
+from stackcheck import REPO_ROOT, bench, bench_compare, bench_report, cli, gate, scenario, tiny
 from stackcheck.versions import UsageError
 
 pytest.importorskip("pytest_benchmark", reason="the bench needs the `bench` extra (`nox -s tests` installs it)")
@@ -74,7 +74,8 @@ def test_compare_passes_a_run_against_itself(smoke):
 
 def test_synthetic_slowdown_fails_the_comparison(smoke, tmp_path):
     """The test-only switch slows the timed calls 10x; the comparison must fail on both tokens/s ratios,
-    name the switch, and miss the cases the slowed run left out."""
+    name the switch, and miss the cases the slowed run left out; the gate reports the decode drop as a
+    regression."""
     bf16 = [f"tests/benchmarks/test_bench.py::test_{phase}[tiny-bf16]" for phase in ("prefill", "decode")]
     slowed = run_bench(tmp_path / "slowed.json", *bf16, env={bench_compare.SYNTHETIC_SLOWDOWN_ENV: "0.1"})
     assert slowed["stackcheck"]["synthetic_slowdown"] == 0.1
@@ -83,6 +84,11 @@ def test_synthetic_slowdown_fails_the_comparison(smoke, tmp_path):
     assert any(p.startswith("tiny/bf16: decode_tokens_per_s ratio") for p in problems), problems
     assert any(p.startswith("tiny/bf16: prefill_tokens_per_s ratio") for p in problems), problems
     assert any(p.startswith("tiny/nf4: in the baseline, missing from the candidate") for p in problems), problems
+
+    sets = {"sets": {}, "cells": []}
+    findings = gate.compare(dict(sets, bench=smoke), dict(sets, bench=slowed))
+    decode = [f for f in findings if f.check == "bench" and "decode_tokens_per_s ratio" in f.detail]
+    assert decode and all(f.status == gate.REGRESSION for f in decode)
 
 
 def test_compare_fails_vram_growth_past_the_threshold(smoke):

@@ -63,19 +63,6 @@ def test_a_pass_the_ledger_did_not_expect_still_counts_as_passing():
     assert statuses(findings) == {"params4bit_kwargs": gate.IMPROVEMENT}
 
 
-def test_more_checks_join_as_functions_over_the_same_two_dicts():
-    """How benchmark ratios will join: one more function over the two results dicts."""
-
-    def vram_ratio(baseline, candidate):
-        ratio = candidate["bench"]["vram_gib"] / baseline["bench"]["vram_gib"]
-        return [gate.Finding("vram", "peak", "1.00", f"{ratio:.2f}", gate.REGRESSION if ratio > 1.1 else gate.SAME)]
-
-    baseline, candidate = run("b", SEED, ("merge_parity", "pass", None)), run("c", SEED, ("merge_parity", "pass", None))
-    baseline["bench"], candidate["bench"] = {"vram_gib": 10.0}, {"vram_gib": 12.0}
-    findings = gate.compare(baseline, candidate, [*gate.CHECKS, vram_ratio])
-    assert [(f.check, f.status) for f in findings] == [("families", gate.SAME), ("vram", gate.REGRESSION)]
-
-
 def test_a_candidate_equal_to_the_baseline_is_a_usage_error(capsys):
     assert cli.main(["gate", "--set", "seed"]) == 2
     assert capsys.readouterr().err.strip() == (
