@@ -43,10 +43,12 @@ def test_requirements(groups: tuple[str, ...] = ()) -> list[str]:
 
 def torch_source(vset: VersionSet) -> tuple[list[str], bool]:
     """(requirements, inherit host site-packages). A set's own torch pin wins; otherwise the torch
-    already present is used: the host's (a GPU machine's CUDA build), else a local wheel."""
+    already present is used: the host's (a GPU machine's CUDA build), else a local wheel. Inheriting needs
+    the host's pip too, which installs the pins over it; a uv-built environment (a set's own, running the
+    harness tests) has none, and uv would not see the inherited torch and fetch another."""
     if "torch" in vset.pins:
         return [vset.pins["torch"].requirement()], False
-    if importlib.util.find_spec("torch") is not None:
+    if all(importlib.util.find_spec(name) is not None for name in ("torch", "pip")):
         return [], True
     wheels = sorted(w for d in LOCAL_WHEEL_DIRS for w in glob.glob(os.path.join(d, "torch-*.whl")))
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"

@@ -1,14 +1,27 @@
 """Per-set environments: the torch they get, and distinct folders for distinct sets."""
 
+import importlib.util
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from stackcheck import envs
 from stackcheck.versions import default_set, resolve
 
 
+HAS_PIP = importlib.util.find_spec("pip") is not None
+
+
+@pytest.mark.skipif(HAS_PIP, reason="the running interpreter has pip, so its torch is inherited")
+def test_without_pip_the_local_torch_wheel_is_used():
+    requirements, inherit = envs.torch_source(default_set())
+    assert not inherit
+    assert requirements and requirements[0].startswith("torch @ file:")
+
+
+@pytest.mark.skipif(not HAS_PIP, reason="inheriting needs the running interpreter's pip")
 def test_a_torch_in_the_running_venv_is_inherited_through_a_pth(tmp_path):
     """The GPU machine's CUDA torch lives in a venv, which `venv --system-site-packages` would not reach: the
     new env must import the running interpreter's torch, from the running interpreter's site-packages."""
