@@ -65,7 +65,7 @@ def test_merging_two_separately_run_sets_gives_the_report_of_running_both_togeth
         assert cli.main(["matrix", "--sets", name, "--results", str(job), *one_test]) == 0
     merged = results.merge_files(jobs, tmp_path / "merged" / "matrix.json")
     expected = results.load(together)
-    assert [(c["set"], c["test"]) for c in merged["cells"]] == [("latest", ONE_TEST), ("seed", ONE_TEST)]
+    assert [(c["set"], c["test"]) for c in merged["cells"]] == [("latest", f"{ONE_TEST}[cpu]"), ("seed", f"{ONE_TEST}[cpu]")]
     # Only the measured seconds differ between two runs of the same cells.
     assert without_seconds(merged) == without_seconds(expected)
     assert results.render_markdown(without_seconds(merged)) == results.render_markdown(without_seconds(expected))
