@@ -21,40 +21,30 @@ def _run(command: str, session: nox.Session, *args: str) -> None:
         raise SystemExit(code)  # keeps the CLI's exit code (2 for a usage error) and its one-line message
 
 
-@nox.session(venv_backend="none")
-def tests(session: nox.Session) -> None:
-    """The harness's own tests plus the CPU lane of every family, on the default set."""
-    _run("tests", session)
+# One session per CLI command: `nox -s NAME -- ARGS` is `python -m stackcheck NAME ARGS`.
+COMMANDS = {
+    "tests": "The harness's own tests plus the CPU lane of every family, on the default set.",
+    "matrix": "The CPU lane of every set (or `-- --sets a,b --with pkg==ver`); writes results/matrix.{json,md}.",
+    "gpu-matrix": "The GPU and CPU lanes of every set over the host's CUDA torch; fails in one line without a GPU.",
+    "bench": "VRAM and tokens/s of each set as ratios against a baseline (`-- --sets seed,latest --smoke`); writes results/bench.md.",
+    "wheelhouse": "Download every wheel the sets need for an offline target (`-- --cuda 130 --host-freeze FILE`).",
+    "versions": "Print each set's pins.",
+    "merge": "Merge per-job matrix.json files: `-- a/matrix.json b/matrix.json [--output results/matrix.json]`.",
+    "bisect": "First release where a family flips: `-- accelerate --good 1.15.0 --bad 1.13.0 --family params4bit_kwargs`.",
+    "gate": "Baseline set vs candidate set: `-- --set seed --with accelerate==1.14.0`; non-zero on a regression.",
+}
 
 
-@nox.session(venv_backend="none")
-def bench(session: nox.Session) -> None:
-    """VRAM and tokens/s of each set as ratios against a baseline (`-- --sets seed,latest --smoke`); writes results/bench.md."""
-    _run("bench", session)
+def _command_session(command: str, doc: str) -> None:
+    def session(session: nox.Session) -> None:
+        _run(command, session)
+
+    session.__doc__ = doc
+    nox.session(name=command, venv_backend="none")(session)
 
 
-@nox.session(venv_backend="none")
-def matrix(session: nox.Session) -> None:
-    """The CPU lane of every set (or `-- --sets a,b --with pkg==ver`); writes results/matrix.{json,md}."""
-    _run("matrix", session)
-
-
-@nox.session(name="gpu-matrix", venv_backend="none")
-def gpu_matrix(session: nox.Session) -> None:
-    """The GPU and CPU lanes of every set over the host's CUDA torch; fails in one line without a GPU."""
-    _run("gpu-matrix", session)
-
-
-@nox.session(venv_backend="none")
-def wheelhouse(session: nox.Session) -> None:
-    """Download every wheel the sets need for an offline target (`-- --cuda 130 --host-freeze FILE`)."""
-    _run("wheelhouse", session)
-
-
-@nox.session(venv_backend="none")
-def versions(session: nox.Session) -> None:
-    """Print each set's pins."""
-    _run("versions", session)
+for _command, _doc in COMMANDS.items():
+    _command_session(_command, _doc)
 
 
 SET_NAMES = list(load_sets()[0])
@@ -65,21 +55,3 @@ SET_NAMES = list(load_sets()[0])
 def matrix_set(session: nox.Session, set_name: str) -> None:
     """One set's CPU lane (one CI job each: `nox --list --json -s matrix_set` lists them); writes results/matrix.{json,md}."""
     _run("matrix", session, "--sets", set_name)
-
-
-@nox.session(venv_backend="none")
-def merge(session: nox.Session) -> None:
-    """Merge per-job matrix.json files: `-- a/matrix.json b/matrix.json [--output results/matrix.json]`."""
-    _run("merge", session)
-
-
-@nox.session(venv_backend="none")
-def bisect(session: nox.Session) -> None:
-    """First release where a family flips: `-- accelerate --good 1.15.0 --bad 1.13.0 --family params4bit_kwargs`."""
-    _run("bisect", session)
-
-
-@nox.session(venv_backend="none")
-def gate(session: nox.Session) -> None:
-    """Baseline set vs candidate set: `-- --set seed --with accelerate==1.14.0`; non-zero on a regression."""
-    _run("gate", session)

@@ -100,7 +100,7 @@ def _selected(args) -> list[VersionSet]:
     return resolve(names, args.overrides)
 
 
-def _pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[str], results_path: Path | None) -> int:
+def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[str], results_path: Path | None) -> int:
     command = [str(python), "-m", "pytest", *targets, f"--stackcheck-set={vset.name}", *extra]
     if results_path:
         command.append(f"--stackcheck-results={results_path}")
@@ -108,7 +108,7 @@ def _pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[str]
     return subprocess.call(command, cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
 
 
-def _record_unbuildable(results_path: Path, vset: VersionSet, reason: str) -> None:
+def record_unbuildable(results_path: Path, vset: VersionSet, reason: str) -> None:
     """A set whose environment cannot be built still gets a verdict in every family's cell."""
     results.record_set(results_path, vset.name, {"env": "not built"})
     for family in Ledger().families:
@@ -134,14 +134,14 @@ def run_matrix(args) -> int:
         try:
             python = envs.build(vset, args.find_links, args.no_index)
         except envs.EnvBuildError as exc:
-            _record_unbuildable(args.results, vset, str(exc))
+            record_unbuildable(args.results, vset, str(exc))
             failed.append(vset.name)
             continue
         print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
         results.forget_cells(args.results, vset.name, lanes)  # a re-run replaces the set's cells in these lanes
         lane_started = time.monotonic()
         selection = [] if gpu else ["-m", "not gpu"]
-        code = _pytest(python, vset, ["tests/families"], ["-q", *selection, *args.pytest_args], args.results)
+        code = run_pytest(python, vset, ["tests/families"], ["-q", *selection, *args.pytest_args], args.results)
         print(f"== set {vset.name}: pytest exit {code}, {'+'.join(lanes)} lanes {time.monotonic() - lane_started:.1f} s, "
               f"with environment {time.monotonic() - started:.1f} s", flush=True)
         if code not in (0, 1):  # 1 only means some cells are not `pass`; their verdicts are recorded
@@ -159,10 +159,10 @@ def run_tests(args) -> int:
     (vset,) = _selected(args)
     python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
     print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
-    return _pytest(python, vset, ["tests"], args.pytest_args, None)
+    return run_pytest(python, vset, ["tests"], args.pytest_args, None)
 
 
-def _bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
+def bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
     """Run tests/benchmarks in the set's environment into <set>.json; True when every benchmark ran."""
     output = results_dir / f"{vset.slug}.json"
     try:
@@ -176,7 +176,7 @@ def _bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
     options = ["-q", "-m", "benchmark", f"--benchmark-json={output}", f"--stackcheck-bench-size={size}",
                f"--stackcheck-bench-repeat={args.repeat}", *(["--stackcheck-bench-smoke"] if args.smoke else [])]
     started = time.monotonic()
-    code = _pytest(python, vset, ["tests/benchmarks"], options + args.pytest_args, None)
+    code = run_pytest(python, vset, ["tests/benchmarks"], options + args.pytest_args, None)
     print(f"== set {vset.name}: pytest exit {code}, bench {time.monotonic() - started:.1f} s", flush=True)
     return code == 0
 
@@ -195,7 +195,7 @@ def run_bench(args) -> int:
         print(f"== device: {envs.cuda_device()}", flush=True)  # no GPU: one line and exit 2; --smoke runs on the CPU
     results_dir = args.results.resolve()
     results_dir.mkdir(parents=True, exist_ok=True)
-    failed = [] if args.render_only else [v.name for v in sets if not _bench_set(v, args, size, results_dir)]
+    failed = [] if args.render_only else [v.name for v in sets if not bench_set(v, args, size, results_dir)]
     runs = {vset.name: json.loads(path.read_text()) for vset in sets if (path := results_dir / f"{vset.slug}.json").exists()}
     if baseline not in runs:
         print(f"stackcheck: no bench results for the baseline set '{baseline}' in {results_dir}", file=sys.stderr)

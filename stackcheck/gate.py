@@ -125,7 +125,7 @@ def _bench(vset, args) -> dict:
     folder = args.output / "bench"
     folder.mkdir(parents=True, exist_ok=True)
     output = folder / f"{vset.slug}.json"
-    cli._bench_set(vset, options, "tiny" if smoke else args.bench, folder)
+    cli.bench_set(vset, options, "tiny" if smoke else args.bench, folder)
     return json.loads(output.read_text()) if output.exists() else {"benchmarks": [], "stackcheck": {}}
 
 

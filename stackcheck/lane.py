@@ -39,7 +39,7 @@ def run(vset: VersionSet, targets: list[str], results_path: Path, find_links=(),
     try:
         python = envs.build(vset, find_links, no_index)
     except envs.EnvBuildError as exc:
-        cli._record_unbuildable(results_path, vset, str(exc))
+        cli.record_unbuildable(results_path, vset, str(exc))
     else:
-        cli._pytest(python, vset, targets, CPU_LANE_ARGS, results_path)
+        cli.run_pytest(python, vset, targets, CPU_LANE_ARGS, results_path)
     return [c for c in results.load(results_path)["cells"] if c["set"] == vset.name]
