@@ -74,20 +74,22 @@ SIZES = {
 
 @dataclass(frozen=True)
 class Profile:
-    prompt_tokens: int  # prefill length; decode starts after a prefill of the same prompt
+    prefill_tokens: int  # the prefill benchmark's prompt
+    context_tokens: int  # the decode's: each decode round starts from a prefill of this many tokens
     new_tokens: int  # decode steps per round
     rounds: int  # timed rounds per phase
     warmup: int  # untimed rounds before them
 
 
-# Sized for `bench` over two sets, realistic size included, to fit about 8 minutes on an H100, where the
-# fixed costs (environments, a 10 GB bf16 checkpoint built and loaded six times per set) outweigh the timed
-# rounds. Estimated: no GPU run has measured them yet.
+# Eager steps are host-bound: about 3,000 kernel launches per forward of the realistic model keep the GPU
+# busy for 8 ms of a 50 to 160 ms step, and the host's speed drifts that much within a minute on the
+# device tool's VMs. The realistic prefill is long enough (8,192 tokens) for the GPU's work to outlast the
+# launches; decode is timed eager (as generate() runs it) and replayed from a CUDA graph (DecodeGraph).
 PROFILES = {
-    ("tiny", False): Profile(prompt_tokens=64, new_tokens=16, rounds=10, warmup=2),
-    ("realistic", False): Profile(prompt_tokens=512, new_tokens=32, rounds=5, warmup=1),
-    ("tiny", True): Profile(prompt_tokens=16, new_tokens=4, rounds=3, warmup=1),
-    ("realistic", True): Profile(prompt_tokens=16, new_tokens=4, rounds=3, warmup=1),
+    ("tiny", False): Profile(prefill_tokens=64, context_tokens=64, new_tokens=16, rounds=10, warmup=2),
+    ("realistic", False): Profile(prefill_tokens=8192, context_tokens=512, new_tokens=32, rounds=5, warmup=1),
+    ("tiny", True): Profile(prefill_tokens=16, context_tokens=16, new_tokens=4, rounds=3, warmup=1),
+    ("realistic", True): Profile(prefill_tokens=16, context_tokens=16, new_tokens=4, rounds=3, warmup=1),
 }
 
 
@@ -249,6 +251,7 @@ class MemoryTracker:
         self.device = device
         gc.collect()
         if device.type == "cuda":
+            torch.cuda.init()  # the allocator's statistics refuse a device CUDA has not started on
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         self.allocated_at_start = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -338,7 +341,7 @@ def decode_weight_bytes(model: torch.nn.Module, prompt: torch.Tensor) -> int:
 
 
 class CaseRun:
-    """One case, loaded: the model, its prompt, the memory tracker started before the load, and the
+    """One case, loaded: the model, its prompts, the memory tracker started before the load, and the
     prefill and decode steps the benchmarks time."""
 
     def __init__(self, size: str, case: str, device: torch.device, profile: Profile):
@@ -350,35 +353,43 @@ class CaseRun:
         self.parameters = logical_parameters(self.model)
         vocab = self.model.config.get_text_config().vocab_size
         generator = torch.Generator().manual_seed(tiny.SEED)
-        self.prompt = torch.randint(4, vocab, (1, profile.prompt_tokens), generator=generator).to(device)
-        self.decode_weight_bytes = decode_weight_bytes(self.model, self.prompt)
+        tokens = torch.randint(4, vocab, (1, max(profile.prefill_tokens, profile.context_tokens)), generator=generator)
+        self.prefill_prompt = tokens[:, : profile.prefill_tokens].to(device)
+        self.context = tokens[:, : profile.context_tokens].to(device)
+        self.decode_weight_bytes = decode_weight_bytes(self.model, self.context)
 
     @torch.inference_mode()
-    def prefill(self):
+    def prefill(self, prompt: torch.Tensor | None = None):
         """The prompt's forward as generate() runs it: cache on, logits of the last position only."""
-        return self.model(input_ids=self.prompt, use_cache=True, logits_to_keep=1)
+        return self.model(input_ids=self.prefill_prompt if prompt is None else prompt, use_cache=True, logits_to_keep=1)
 
     def start_decode(self) -> tuple[tuple, dict]:
-        """Untimed setup of a decode round: prefill; the round starts from its cache and next token."""
-        output = self.prefill()
+        """Untimed setup of a decode round: prefill the context; the round starts from its cache and next token."""
+        output = self.prefill(self.context)
         token = output.logits[:, -1:].argmax(-1)
         synchronize(self.device)
         return (output.past_key_values, token), {}
 
     @torch.inference_mode()
-    def decode(self, cache, token):
+    def decode(self, cache, token) -> torch.Tensor:
         """`new_tokens` greedy steps on the cache, one token each, as generate() takes them at batch 1
-        (without generate()'s per-step host sync for its stopping check)."""
+        (without generate()'s per-step host sync for its stopping check). Returns the tokens, (1, new_tokens)."""
+        tokens = []
         for _ in range(self.profile.new_tokens):
             logits = self.model(input_ids=token, past_key_values=cache, use_cache=True).logits
             token = logits[:, -1:].argmax(-1)
-        return token
+            tokens.append(token)
+        return torch.cat(tokens, dim=-1)
 
     def extra_info(self, phase: str) -> dict:
-        """What a benchmark of `phase` records beside pytest-benchmark's timing stats."""
-        tokens = self.profile.prompt_tokens if phase == "prefill" else self.profile.new_tokens
+        """What a benchmark of `phase` records beside pytest-benchmark's timing stats. Graph phases leave
+        memory out: the graph's private pool is the benchmark's, not the stack's, and the case's peaks
+        stay those of the eager phases (graph phases run last)."""
+        tokens = self.profile.prefill_tokens if phase == "prefill" else self.profile.new_tokens
         info = {"size": self.size, "case": self.case, "phase": phase, "tokens": tokens,
-                "parameters": self.parameters, "memory": self.tracker.sample(), "weights": self.weights}
+                "parameters": self.parameters, "weights": self.weights}
+        if not phase.startswith("decode_graph"):
+            info["memory"] = self.tracker.sample()
         if phase != "prefill":
             info["decode_weight_bytes_per_token"] = self.decode_weight_bytes
         return info
@@ -388,3 +399,61 @@ class CaseRun:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+# --- the decode replayed from a CUDA graph --------------------------------------------------------
+
+
+class GraphNotFaithful(Exception):
+    """The captured decode's replays do not give the eager decode's tokens: timing it would not time the stack."""
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """Every tensor a transformers cache holds directly or in its layers (keys, values, length counters)."""
+    holders = [cache, *getattr(cache, "layers", ())]
+    return [value for holder in holders for value in vars(holder).values() if isinstance(value, torch.Tensor)]
+
+
+class DecodeGraph:
+    """A decode round (CaseRun.decode from a prefilled context) captured once as a CUDA graph and replayed.
+
+    The graph holds the very kernels the eager round launches, on the same dynamic cache, with the host's
+    work between them taken out: its tokens/s is the device time of the stack's kernels, which the host's
+    speed does not move. Capturing needs no code path of its own (no static cache, no torch.compile); what
+    the capture proves before any timing is that two replays, each after eager work on the device, give
+    exactly the tokens of an eager round from the same context (GraphNotFaithful otherwise).
+    """
+
+    def __init__(self, run: CaseRun):
+        if run.device.type != "cuda":
+            raise GraphNotFaithful("CUDA graphs need a CUDA device")
+        (warm_cache, warm_token), _ = run.start_decode()
+        (cache, token), _ = run.start_decode()
+        # The graph reads the prefill's cache and first token by address, and the capture replaces the
+        # cache's own references to them: held here, their memory is never reused while the graph lives.
+        self.inputs = [*cache_tensors(cache), token]
+        side = torch.cuda.Stream(run.device)
+        side.wait_stream(torch.cuda.current_stream(run.device))
+        with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph asks
+            run.decode(warm_cache, warm_token)
+        torch.cuda.current_stream(run.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(self.graph):
+                self.tokens = run.decode(cache, token)
+        except RuntimeError as exc:  # a host sync or a pageable copy in the step: this stack cannot be captured
+            raise GraphNotFaithful(f"capture failed: {str(exc).splitlines()[0]}") from exc
+        self._check_faithful(run)
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.tokens
+
+    def _check_faithful(self, run: CaseRun) -> None:
+        eager = run.decode(*run.start_decode()[0])
+        for attempt in ("first", "second"):
+            replayed = self.replay()
+            synchronize(run.device)
+            if not torch.equal(replayed, eager):
+                same = int((replayed == eager).sum())
+                raise GraphNotFaithful(f"the {attempt} replay gives {same} of the eager decode's {eager.numel()} tokens")

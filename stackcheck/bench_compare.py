@@ -22,20 +22,33 @@ class Threshold:
     metric: str
     limit: float  # on the ratio candidate / baseline
     higher_is_better: bool
+    sizes: tuple[str, ...] = ("tiny", "realistic")  # the model sizes whose cases it checks
+    devices: tuple[str, ...] = ("gpu", "cpu")  # the runs it checks, by where they ran
 
     def breached(self, ratio: float) -> bool:
         return ratio < self.limit if self.higher_is_better else ratio > self.limit
 
 
-# A candidate fails when any case loses more than 10% of its tokens/s or needs 10% more VRAM than the
-# baseline measured in the same run. Host-side numbers and NVML are reported, not gated: they include
-# other processes and the CUDA context.
+# A candidate fails when a case loses more than 10% of its tokens/s or needs 10% more VRAM than the
+# baseline measured in the same run. On a GPU, speed is gated only where the GPU, not the host, sets it:
+# the decode replayed from a CUDA graph (its rounds within 0.05% of each other) and the realistic model's
+# long prefill. There eager decode and the tiny model's prefill are host-bound: on the device tool's VMs
+# the host's speed drifts up to threefold within a minute, so they are reported with their spread, never
+# gated. On a CPU the host is the device, and eager is all there is. Host-side numbers and NVML are
+# reported, not gated: they include other processes and the CUDA context.
 THRESHOLDS = (
-    Threshold("decode_tokens_per_s", 0.90, higher_is_better=True),
-    Threshold("prefill_tokens_per_s", 0.90, higher_is_better=True),
+    Threshold("decode_graph_tokens_per_s", 0.90, higher_is_better=True, devices=("gpu",)),
+    Threshold("prefill_tokens_per_s", 0.90, higher_is_better=True, sizes=("realistic",), devices=("gpu",)),
+    Threshold("decode_tokens_per_s", 0.90, higher_is_better=True, devices=("cpu",)),
+    Threshold("prefill_tokens_per_s", 0.90, higher_is_better=True, devices=("cpu",)),
     Threshold("peak_allocated_bytes", 1.10, higher_is_better=False),
     Threshold("peak_reserved_bytes", 1.10, higher_is_better=False),
 )
+
+
+def device_kind(run: dict) -> str:
+    """'cpu' or 'gpu': where a bench JSON's run took place (stackcheck.plugin.device_name)."""
+    return "cpu" if run.get("stackcheck", {}).get("device", "cpu").startswith("cpu") else "gpu"
 
 
 def coefficient_of_variation(values: list[float]) -> float:
@@ -44,33 +57,38 @@ def coefficient_of_variation(values: list[float]) -> float:
 
 def summarize(run: dict) -> dict[str, dict]:
     """Per case, keyed 'size/case': tokens/s of each phase (tokens per round over the median round) and
-    its spread (IQR over median), the decode repeats' tokens/s, memory (each metric's highest sample over
-    the case's benchmarks), parameters, weight bytes and decode weight bytes per token."""
+    its spread (IQR over median), each repeated phase's list of tokens/s, memory (each metric's highest
+    sample over the case's benchmarks), parameters, weight bytes, decode weight bytes per token, and
+    `not_measured`: phase -> why its benchmark recorded no number."""
     cases: dict[str, dict] = {}
     for entry in run["benchmarks"]:
         info, stats = entry["extra_info"], entry["stats"]
         row = cases.setdefault(f"{info['size']}/{info['case']}", {"size": info["size"], "case": info["case"]})
         tokens_per_s = info["tokens"] / stats["median"]
-        if info["phase"] == "decode_repeat":
-            row.setdefault("decode_repeat_tokens_per_s", []).append(tokens_per_s)
+        if info["phase"].endswith("_repeat"):
+            row.setdefault(f"{info['phase']}_tokens_per_s", []).append(tokens_per_s)
         else:
             row[f"{info['phase']}_tokens_per_s"] = tokens_per_s
             row[f"{info['phase']}_spread"] = stats["iqr"] / stats["median"]
-        for metric, value in info["memory"].items():
+        for metric, value in info.get("memory", {}).items():
             if value is not None:
                 row[metric] = max(row.get(metric, value), value)
         row["parameters"] = info["parameters"]
         row["weights"] = info["weights"]
         if "decode_weight_bytes_per_token" in info:
             row["decode_weight_bytes_per_token"] = info["decode_weight_bytes_per_token"]
+    for skipped in run.get("stackcheck", {}).get("not_measured", []):
+        row = cases.get(f"{skipped['size']}/{skipped['case']}")
+        if row is not None:
+            row.setdefault("not_measured", {})[skipped["phase"]] = skipped["reason"]
     return cases
 
 
 def compare(candidate: dict, baseline: dict, thresholds: tuple[Threshold, ...] = THRESHOLDS) -> list[str]:
     """Problems of a candidate bench JSON against a baseline one, as one line each (none: it passes).
 
-    Ratios are candidate / baseline per case and metric, checked against `thresholds`; a metric one of
-    the two runs could not measure (VRAM on a CPU run) is not compared. Also a problem: a case the
+    Ratios are candidate / baseline per case and metric, checked against `thresholds`; a metric the
+    baseline could not measure (VRAM on a CPU run) is not compared, one only the candidate lacks fails. Also a problem: a case the
     baseline has and the candidate lacks, a different model, runs of different modes or devices, and a
     candidate measured with the test-only synthetic slowdown."""
     problems = []
@@ -81,7 +99,7 @@ def compare(candidate: dict, baseline: dict, thresholds: tuple[Threshold, ...] =
     for field in ("mode", "device"):
         if ours.get(field) != theirs.get(field):
             problems.append(f"not comparable: candidate {field} {ours.get(field)!r}, baseline {theirs.get(field)!r}")
-    measured = summarize(candidate)
+    measured, kind = summarize(candidate), device_kind(baseline)
     for key, reference in summarize(baseline).items():
         row = measured.get(key)
         if row is None:
@@ -91,7 +109,13 @@ def compare(candidate: dict, baseline: dict, thresholds: tuple[Threshold, ...] =
             problems.append(f"{key}: not comparable: {row['parameters']} parameters, baseline {reference['parameters']}")
             continue
         for threshold in thresholds:
-            if not row.get(threshold.metric) or not reference.get(threshold.metric):
+            applies = reference["size"] in threshold.sizes and kind in threshold.devices
+            if not applies or not reference.get(threshold.metric):
+                continue
+            if not row.get(threshold.metric):
+                phase = threshold.metric.removesuffix("_tokens_per_s")
+                why = row.get("not_measured", {}).get(phase, "its benchmark failed or did not run")
+                problems.append(f"{key}: {threshold.metric} measured in the baseline, not in the candidate: {why}")
                 continue
             ratio = row[threshold.metric] / reference[threshold.metric]
             if threshold.breached(ratio):

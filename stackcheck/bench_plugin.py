@@ -8,6 +8,12 @@ from __future__ import annotations
 import pytest
 
 BANDWIDTH = pytest.StashKey[dict]()
+NOT_MEASURED = pytest.StashKey[list]()
+
+
+def record_not_measured(config: pytest.Config, size: str, case: str, phase: str, reason: str) -> None:
+    """A benchmark that could not be measured faithfully: the JSON says which and why, the report shows it."""
+    config.stash.setdefault(NOT_MEASURED, []).append({"size": size, "case": case, "phase": phase, "reason": reason})
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -17,7 +23,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--stackcheck-bench-smoke", action="store_true",
                     help="few tokens and rounds; runs on the CPU (one thread) when there is no GPU")
     group.addoption("--stackcheck-bench-repeat", type=int, default=0, metavar="N",
-                    help="measure the 4-bit (nf4_dq) decode N more times, for its coefficient of variation")
+                    help="measure the 4-bit (nf4_dq) decode N more times in each mode, for its coefficient of variation")
 
 
 def bench_sizes(config: pytest.Config) -> list[str]:
@@ -75,4 +81,5 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json:
         "bandwidth": config.stash.get(BANDWIDTH, None),
         "cpu_threads": torch.get_num_threads(),
         "synthetic_slowdown": bench.synthetic_slowdown(),
+        "not_measured": config.stash.get(NOT_MEASURED, []),
     }

@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--size", choices=("tiny", "realistic", "all"), help="model size (default: all; tiny with --smoke)")
     bench.add_argument("--smoke", action="store_true", help="few tokens and rounds; runs on the CPU when there is no GPU")
     bench.add_argument("--repeat", type=int, default=0, metavar="N",
-                       help="measure the 4-bit decode N more times (N >= 2) and report its coefficient of variation")
+                       help="measure the 4-bit decode N more times (N >= 2) in each mode, eager and graph, and report its coefficient of variation")
     bench.add_argument("--results", type=Path, default=BENCH_RESULTS,
                        help="folder for <set>.json and the plots; the report is FOLDER.md (default: results/bench)")
     bench.add_argument("--render-only", action="store_true", help="measure nothing: render bench.md from the JSON in --results")

@@ -4,7 +4,7 @@ through the same families; fail on a regression, pass on improvements alone.
 The comparison is pure: `compare(baseline, candidate)` takes two results dicts (matrix.json data of one
 set each) and returns findings, one list per check in CHECKS. With `--bench SIZE` each dict also carries
 the set's bench JSON under "bench", and `bench_ratios` fails tokens/s and VRAM ratios past
-`bench_compare.THRESHOLDS` (decode or prefill tokens/s below 0.90 of the baseline, VRAM above 1.10).
+`bench_compare.THRESHOLDS` (the graph-replayed decode or the realistic prefill below 0.90 of the baseline on a GPU, eager speeds on a CPU, VRAM above 1.10).
 """
 
 from __future__ import annotations

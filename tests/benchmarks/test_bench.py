@@ -1,24 +1,29 @@
 """VRAM and tokens/s of every bench case (stackcheck.bench.CASES) on the tiny and the realistic model.
 
-Each (size, case) is loaded once, under its memory tracker, and shared by its benchmarks: prefill (the
-prompt's forward) and decode (`new_tokens` greedy steps after an untimed prefill). pytest-benchmark times
-each over warm-up and timed rounds through bench.timed, which returns only once the GPU is done. With
---stackcheck-bench-repeat N, the 4-bit decode is measured N more times for its coefficient of variation.
-Numbers are recorded, never asserted: stackcheck.bench.compare judges them against a baseline set.
+Each (size, case) is loaded once, under its memory tracker, and shared by its benchmarks, in this order:
+prefill (the prompt's forward), decode (`new_tokens` greedy eager steps after an untimed prefill of the
+context, as generate() runs them), then on a GPU the same decode round replayed from a CUDA graph
+(bench.DecodeGraph: the device time of the stack's kernels, free of the host's speed). pytest-benchmark
+times each over warm-up and timed rounds through bench.timed, which returns only once the GPU is done.
+With --stackcheck-bench-repeat N, the 4-bit decode is measured N more times in each mode, for its
+coefficient of variation. Numbers are recorded, never asserted: stackcheck.bench_compare judges them
+against a baseline set.
 """
 
 import pytest
 
 from stackcheck import bench
-from stackcheck.bench_plugin import bench_sizes
+from stackcheck.bench_plugin import bench_sizes, record_not_measured
 
 pytestmark = pytest.mark.benchmark
+
+REPEATED = ("test_decode_repeat", "test_decode_graph_repeat")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     device = bench.bench_device()
     cases = [(size, case) for size in bench_sizes(metafunc.config) for case in bench.cases_for(size, device)]
-    if metafunc.definition.originalname == "test_decode_repeat":
+    if metafunc.definition.originalname in REPEATED:
         cases = [(size, case) for size, case in cases if case == bench.REPEAT_CASE]
         metafunc.parametrize("repeat", range(metafunc.config.getoption("--stackcheck-bench-repeat")))
     metafunc.parametrize("loaded", cases, indirect=True, scope="module", ids="-".join)
@@ -43,6 +48,18 @@ def measure(run: bench.CaseRun, benchmark, phase: str) -> None:
     benchmark.extra_info.update(run.extra_info(phase))
 
 
+def measure_graph(run: bench.CaseRun, benchmark, request, phase: str) -> None:
+    if run.device.type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA GPU")
+    try:
+        graph = bench.DecodeGraph(run)
+    except bench.GraphNotFaithful as exc:
+        record_not_measured(request.config, run.size, run.case, phase, str(exc))
+        pytest.skip(f"decode not graphed: {exc}")
+    benchmark.pedantic(bench.timed(graph.replay, run.device), rounds=run.profile.rounds, warmup_rounds=run.profile.warmup)
+    benchmark.extra_info.update(run.extra_info(phase))
+
+
 def test_prefill(loaded, benchmark):
     measure(loaded, benchmark, "prefill")
 
@@ -53,3 +70,11 @@ def test_decode(loaded, benchmark):
 
 def test_decode_repeat(loaded, repeat, benchmark):
     measure(loaded, benchmark, "decode_repeat")
+
+
+def test_decode_graph(loaded, benchmark, request):
+    measure_graph(loaded, benchmark, request, "decode_graph")
+
+
+def test_decode_graph_repeat(loaded, repeat, benchmark, request):
+    measure_graph(loaded, benchmark, request, "decode_graph_repeat")

@@ -121,11 +121,47 @@ def test_timed_decode_produces_the_tokens_generate_does():
     run = bench.CaseRun("tiny", "nf4_dq", torch.device("cpu"), bench.PROFILES["tiny", True])
     args, _ = run.start_decode()
     first = args[1]
-    last = run.decode(*args)
-    generated = run.model.generate(input_ids=run.prompt, max_new_tokens=run.profile.new_tokens + 1,
+    decoded = run.decode(*args)
+    generated = run.model.generate(input_ids=run.context, max_new_tokens=run.profile.new_tokens + 1,
                                    min_new_tokens=run.profile.new_tokens + 1, do_sample=False)
-    assert generated[0, run.prompt.shape[1]].item() == first.item()
-    assert generated[0, -1].item() == last.item()
+    context = run.context.shape[1]
+    assert generated[0, context].item() == first.item()
+    assert torch.equal(generated[:, context + 1:], decoded)
+
+
+def test_decode_graph_is_refused_without_a_gpu():
+    run = bench.CaseRun("tiny", "bf16", torch.device("cpu"), bench.PROFILES["tiny", True])
+    with pytest.raises(bench.GraphNotFaithful, match="CUDA graphs need a CUDA device"):
+        bench.DecodeGraph(run)
+
+
+def test_cache_tensors_hold_every_tensor_of_the_prefilled_cache():
+    """DecodeGraph keeps these alive for the graph's life: keys and values of every layer at least."""
+    run = bench.CaseRun("tiny", "bf16", torch.device("cpu"), bench.PROFILES["tiny", True])
+    (cache, _), _ = run.start_decode()
+    held = {id(t) for t in bench.cache_tensors(cache)}
+    assert all(id(layer.keys) in held and id(layer.values) in held for layer in cache.layers)
+
+
+def gpu_run(graph_tokens_per_s: float | None, not_measured: str | None = None) -> dict:
+    """A minimal GPU bench JSON of one realistic case: `compare` is pure, so its rules are shown on data."""
+    entries = [{"stats": {"median": 1.0, "iqr": 0.0}, "extra_info": {"size": "realistic", "case": "nf4_dq", "phase": phase,
+                "tokens": tokens, "parameters": 5, "weights": {}, "memory": {}}}
+               for phase, tokens in (("prefill", 8192), ("decode", 10), ("decode_graph", graph_tokens_per_s)) if tokens]
+    skipped = [{"size": "realistic", "case": "nf4_dq", "phase": "decode_graph", "reason": not_measured}] if not_measured else []
+    return {"benchmarks": entries, "stackcheck": {"mode": "full", "device": "NVIDIA H100 80GB HBM3", "not_measured": skipped}}
+
+
+def test_compare_gates_the_graph_decode_on_a_gpu_and_not_the_eager_one():
+    baseline = gpu_run(100.0)
+    slower_eager = copy.deepcopy(baseline)
+    slower_eager["benchmarks"][1]["stats"]["median"] = 2.0  # eager decode at half speed: host noise on a GPU run
+    assert bench_compare.compare(slower_eager, baseline) == []
+    problems = bench_compare.compare(gpu_run(85.0), baseline)
+    assert problems == ["realistic/nf4_dq: decode_graph_tokens_per_s ratio 0.850 < 0.9 (85 vs baseline 100)"]
+    problems = bench_compare.compare(gpu_run(None, not_measured="the first replay gives 1 of 32 tokens"), baseline)
+    assert problems == ["realistic/nf4_dq: decode_graph_tokens_per_s measured in the baseline, not in the candidate: "
+                        "the first replay gives 1 of 32 tokens"]
 
 
 def test_report_renders_ratios_gate_and_plots(smoke, tmp_path):
@@ -143,7 +179,7 @@ def test_report_renders_ratios_gate_and_plots(smoke, tmp_path):
         assert any("matplotlib is not installed" in note for note in notes)
     else:
         assert (tmp_path / "bench" / "decode_tokens_per_s.png").stat().st_size > 0
-        assert "![Decode tokens/s (batch 1)](bench/decode_tokens_per_s.png)" in markdown
+        assert "![Decode tokens/s, eager as generate() runs it (batch 1, host-bound)](bench/decode_tokens_per_s.png)" in markdown
 
 
 def test_plain_runs_leave_the_benchmarks_out():
