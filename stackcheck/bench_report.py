@@ -88,6 +88,10 @@ def _gate(runs: dict[str, dict], baseline: str) -> list[str]:
         problems = bench_compare.compare(run, runs[baseline])
         lines.append(f"- **{name}** against {baseline}: " + ("pass" if not problems else f"**fail**, {len(problems)} problem(s)"))
         lines += [f"  - {problem}" for problem in problems]
+    unmeasured = runs[baseline].get("stackcheck", {}).get("not_measured", [])
+    if unmeasured:
+        lines += ["", "Not compared, because the baseline could not measure them:"]
+        lines += [f"- {item['size']}/{item['case']} {item['phase']}: {item['reason']}" for item in unmeasured]
     return lines + [""]
 
 
