@@ -212,3 +212,9 @@ def test_bench_user_errors_print_one_line_and_exit_2(argv, message, capsys):
 def test_full_bench_without_a_gpu_is_refused_in_one_line(capsys):
     assert cli.main(["bench", "--sets", "seed"]) == 2
     assert capsys.readouterr().err.strip().startswith("stackcheck: no GPU: ")
+
+
+def test_report_lists_what_the_baseline_could_not_measure():
+    gate_lines = bench_report._gate({"base": gpu_run(None, not_measured="capture failed"), "cand": gpu_run(100.0)}, "base")
+    assert "- **cand** against base: pass" in gate_lines
+    assert "- realistic/nf4_dq decode_graph: capture failed" in gate_lines
