@@ -84,6 +84,11 @@ def summarize(run: dict) -> dict[str, dict]:
     return cases
 
 
+def not_measured_reason(row: dict, metric: str) -> str | None:
+    """Why a case's benchmark of `metric`'s phase recorded no number, when it said so (see summarize)."""
+    return row.get("not_measured", {}).get(metric.removesuffix("_tokens_per_s"))
+
+
 def compare(candidate: dict, baseline: dict, thresholds: tuple[Threshold, ...] = THRESHOLDS) -> list[str]:
     """Problems of a candidate bench JSON against a baseline one, as one line each (none: it passes).
 
@@ -113,8 +118,7 @@ def compare(candidate: dict, baseline: dict, thresholds: tuple[Threshold, ...] =
             if not applies or not reference.get(threshold.metric):
                 continue
             if not row.get(threshold.metric):
-                phase = threshold.metric.removesuffix("_tokens_per_s")
-                why = row.get("not_measured", {}).get(phase, "its benchmark failed or did not run")
+                why = not_measured_reason(row, threshold.metric) or "its benchmark failed or did not run"
                 problems.append(f"{key}: {threshold.metric} measured in the baseline, not in the candidate: {why}")
                 continue
             ratio = row[threshold.metric] / reference[threshold.metric]

@@ -107,7 +107,7 @@ def _metric_table(summaries, cases, baseline, metric, title, unit, scale) -> lis
         for name, summary in summaries.items():
             row = summary.get(key, {})
             if metric not in row:
-                why = row.get("not_measured", {}).get(metric.removesuffix("_tokens_per_s"))
+                why = bench_compare.not_measured_reason(row, metric)
                 cells.append(f"not measured: {why}" if why else "")
                 continue
             cell = _number(row[metric], scale)

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, bench_report, envs, results, wheelhouse
-from stackcheck.ledger import ERROR, Ledger
+from stackcheck import REPO_ROOT, bench_report, bisect, envs, gate, results, wheelhouse
+from stackcheck.lane import bench_set, record_unbuildable, run_pytest
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
 
 DEFAULT_RESULTS = REPO_ROOT / "results" / "matrix.json"
@@ -100,25 +98,6 @@ def _selected(args) -> list[VersionSet]:
     return resolve(names, args.overrides)
 
 
-def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[str], results_path: Path | None) -> int:
-    command = [str(python), "-m", "pytest", *targets, f"--stackcheck-set={vset.name}", *extra]
-    if results_path:
-        command.append(f"--stackcheck-results={results_path}")
-    print("+", " ".join(command), flush=True)
-    return subprocess.call(command, cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-
-
-def record_unbuildable(results_path: Path, vset: VersionSet, reason: str) -> None:
-    """A set whose environment cannot be built still gets a verdict in every family's cell."""
-    results.record_set(results_path, vset.name, {"env": "not built"})
-    for family in Ledger().families:
-        results.record_cell(
-            results_path,
-            {"set": vset.name, "family": family, "test": f"tests/families/test_{family}.py", "lane": "cpu",
-             "verdict": ERROR, "signature": f"environment not built: {reason}", "bug": None, "seconds": 0.0},
-        )
-
-
 def run_matrix(args) -> int:
     """`matrix` runs the CPU lane; `gpu-matrix` both lanes, and fails when no GPU cell really ran."""
     gpu = args.command == "gpu-matrix"
@@ -160,25 +139,6 @@ def run_tests(args) -> int:
     python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
     print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
     return run_pytest(python, vset, ["tests"], args.pytest_args, None)
-
-
-def bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
-    """Run tests/benchmarks in the set's environment into <set>.json; True when every benchmark ran."""
-    output = results_dir / f"{vset.slug}.json"
-    try:
-        python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
-    except envs.EnvBuildError as exc:
-        output.unlink(missing_ok=True)  # the set is missing from this run's report, not shown with old numbers
-        print(f"stackcheck: set {vset.name}: environment not built: {exc}", file=sys.stderr)
-        return False
-    print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
-    output.unlink(missing_ok=True)  # a report never mixes this run with an older one
-    options = ["-q", "-m", "benchmark", f"--benchmark-json={output}", f"--stackcheck-bench-size={size}",
-               f"--stackcheck-bench-repeat={args.repeat}", *(["--stackcheck-bench-smoke"] if args.smoke else [])]
-    started = time.monotonic()
-    code = run_pytest(python, vset, ["tests/benchmarks"], options + args.pytest_args, None)
-    print(f"== set {vset.name}: pytest exit {code}, bench {time.monotonic() - started:.1f} s", flush=True)
-    return code == 0
 
 
 def run_bench(args) -> int:
@@ -237,12 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             print(refresh_latest())
             return 0
         if args.command == "bisect":
-            from stackcheck import bisect  # imported on use: it runs pytest through this module's _pytest
-
             return bisect.run(args)
         if args.command == "gate":
-            from stackcheck import gate  # likewise
-
             return gate.run(args)
         if args.command == "merge":
             merged = results.merge_files(args.inputs, args.output)

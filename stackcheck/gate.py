@@ -4,7 +4,8 @@ through the same families; fail on a regression, pass on improvements alone.
 The comparison is pure: `compare(baseline, candidate)` takes two results dicts (matrix.json data of one
 set each) and returns findings, one list per check in CHECKS. With `--bench SIZE` each dict also carries
 the set's bench JSON under "bench", and `bench_ratios` fails tokens/s and VRAM ratios past
-`bench_compare.THRESHOLDS` (the graph-replayed decode or the realistic prefill below 0.90 of the baseline on a GPU, eager speeds on a CPU, VRAM above 1.10).
+`bench_compare.THRESHOLDS` (on a GPU the graph-replayed decode or the realistic prefill below 0.90 of
+the baseline, on a CPU eager decode or prefill below 0.90; VRAM above 1.10).
 """
 
 from __future__ import annotations
@@ -118,14 +119,12 @@ def render_summary(baseline: dict, candidate: dict, findings: list[Finding]) -> 
 
 def _bench(vset, args) -> dict:
     """The set's bench JSON, measured in this gate run (both sets on the same machine, one after the other)."""
-    from stackcheck import cli  # cli imports this module lazily
-
     smoke = args.bench == "smoke"
     options = argparse.Namespace(find_links=args.find_links, no_index=args.no_index, repeat=0, smoke=smoke, pytest_args=[])
     folder = args.output / "bench"
     folder.mkdir(parents=True, exist_ok=True)
     output = folder / f"{vset.slug}.json"
-    cli.bench_set(vset, options, "tiny" if smoke else args.bench, folder)
+    lane.bench_set(vset, options, "tiny" if smoke else args.bench, folder)
     return json.loads(output.read_text()) if output.exists() else {"benchmarks": [], "stackcheck": {}}
 
 

@@ -1,17 +1,59 @@
-"""The step gate and bisect repeat: chosen family tests of one set, on the CPU lane, in the set's own
-environment, read back as the cells the plugin recorded."""
+"""pytest in a set's own environment: the runner the matrix, the bench, the gate and bisect share, and
+`run`, the chosen family tests of one set on the CPU lane read back as the cells the plugin recorded."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, cli, envs, results
-from stackcheck.ledger import Ledger
+from stackcheck import REPO_ROOT, envs, results
+from stackcheck.ledger import ERROR, Ledger
 from stackcheck.versions import UsageError, VersionSet
 
 FAMILIES_DIR = REPO_ROOT / "tests" / "families"
 # GPU-marked tests would only be skipped cells on a CPU host; the cache plugin would share state between runs.
 CPU_LANE_ARGS = ["-q", "-p", "no:cacheprovider", "-m", "not gpu"]
+
+
+def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[str], results_path: Path | None) -> int:
+    command = [str(python), "-m", "pytest", *targets, f"--stackcheck-set={vset.name}", *extra]
+    if results_path:
+        command.append(f"--stackcheck-results={results_path}")
+    print("+", " ".join(command), flush=True)
+    return subprocess.call(command, cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+def record_unbuildable(results_path: Path, vset: VersionSet, reason: str) -> None:
+    """A set whose environment cannot be built still gets a verdict in every family's cell."""
+    results.record_set(results_path, vset.name, {"env": "not built"})
+    for family in Ledger().families:
+        results.record_cell(
+            results_path,
+            {"set": vset.name, "family": family, "test": f"tests/families/test_{family}.py", "lane": "cpu",
+             "verdict": ERROR, "signature": f"environment not built: {reason}", "bug": None, "seconds": 0.0},
+        )
+
+
+def bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
+    """Run tests/benchmarks in the set's environment into <set>.json; True when every benchmark ran."""
+    output = results_dir / f"{vset.slug}.json"
+    try:
+        python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
+    except envs.EnvBuildError as exc:
+        output.unlink(missing_ok=True)  # the set is missing from this run's report, not shown with old numbers
+        print(f"stackcheck: set {vset.name}: environment not built: {exc}", file=sys.stderr)
+        return False
+    print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
+    output.unlink(missing_ok=True)  # a report never mixes this run with an older one
+    options = ["-q", "-m", "benchmark", f"--benchmark-json={output}", f"--stackcheck-bench-size={size}",
+               f"--stackcheck-bench-repeat={args.repeat}", *(["--stackcheck-bench-smoke"] if args.smoke else [])]
+    started = time.monotonic()
+    code = run_pytest(python, vset, ["tests/benchmarks"], options + args.pytest_args, None)
+    print(f"== set {vset.name}: pytest exit {code}, bench {time.monotonic() - started:.1f} s", flush=True)
+    return code == 0
 
 
 def family_targets(families: list[str] | None) -> list[str]:
@@ -39,7 +81,7 @@ def run(vset: VersionSet, targets: list[str], results_path: Path, find_links=(),
     try:
         python = envs.build(vset, find_links, no_index)
     except envs.EnvBuildError as exc:
-        cli.record_unbuildable(results_path, vset, str(exc))
+        record_unbuildable(results_path, vset, str(exc))
     else:
-        cli.run_pytest(python, vset, targets, CPU_LANE_ARGS, results_path)
+        run_pytest(python, vset, targets, CPU_LANE_ARGS, results_path)
     return [c for c in results.load(results_path)["cells"] if c["set"] == vset.name]
