@@ -155,7 +155,8 @@ def run_bench(args) -> int:
         print(f"== device: {envs.cuda_device()}", flush=True)  # no GPU: one line and exit 2; --smoke runs on the CPU
     results_dir = args.results.resolve()
     results_dir.mkdir(parents=True, exist_ok=True)
-    failed = [] if args.render_only else [v.name for v in sets if not bench_set(v, args, size, results_dir)]
+    failed = [] if args.render_only else [v.name for v in sets if not bench_set(
+        v, size, results_dir, args.find_links, args.no_index, args.repeat, args.smoke, args.pytest_args)]
     runs = {vset.name: json.loads(path.read_text()) for vset in sets if (path := results_dir / f"{vset.slug}.json").exists()}
     if baseline not in runs:
         print(f"stackcheck: no bench results for the baseline set '{baseline}' in {results_dir}", file=sys.stderr)

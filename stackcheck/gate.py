@@ -10,7 +10,6 @@ the baseline, on a CPU eager decode or prefill below 0.90; VRAM above 1.10).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from collections.abc import Callable
@@ -120,11 +119,10 @@ def render_summary(baseline: dict, candidate: dict, findings: list[Finding]) -> 
 def _bench(vset, args) -> dict:
     """The set's bench JSON, measured in this gate run (both sets on the same machine, one after the other)."""
     smoke = args.bench == "smoke"
-    options = argparse.Namespace(find_links=args.find_links, no_index=args.no_index, repeat=0, smoke=smoke, pytest_args=[])
     folder = args.output / "bench"
     folder.mkdir(parents=True, exist_ok=True)
     output = folder / f"{vset.slug}.json"
-    lane.bench_set(vset, options, "tiny" if smoke else args.bench, folder)
+    lane.bench_set(vset, "tiny" if smoke else args.bench, folder, args.find_links, args.no_index, smoke=smoke)
     return json.loads(output.read_text()) if output.exists() else {"benchmarks": [], "stackcheck": {}}
 
 

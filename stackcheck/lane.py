@@ -37,11 +37,12 @@ def record_unbuildable(results_path: Path, vset: VersionSet, reason: str) -> Non
         )
 
 
-def bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
+def bench_set(vset: VersionSet, size: str, results_dir: Path, find_links=(), no_index: bool = False, repeat: int = 0,
+              smoke: bool = False, pytest_args=()) -> bool:
     """Run tests/benchmarks in the set's environment into <set>.json; True when every benchmark ran."""
     output = results_dir / f"{vset.slug}.json"
     try:
-        python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
+        python = envs.build(vset, find_links, no_index, groups=envs.BENCH_GROUPS)
     except envs.EnvBuildError as exc:
         output.unlink(missing_ok=True)  # the set is missing from this run's report, not shown with old numbers
         print(f"stackcheck: set {vset.name}: environment not built: {exc}", file=sys.stderr)
@@ -49,9 +50,9 @@ def bench_set(vset: VersionSet, args, size: str, results_dir: Path) -> bool:
     print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
     output.unlink(missing_ok=True)  # a report never mixes this run with an older one
     options = ["-q", "-m", "benchmark", f"--benchmark-json={output}", f"--stackcheck-bench-size={size}",
-               f"--stackcheck-bench-repeat={args.repeat}", *(["--stackcheck-bench-smoke"] if args.smoke else [])]
+               f"--stackcheck-bench-repeat={repeat}", *(["--stackcheck-bench-smoke"] if smoke else [])]
     started = time.monotonic()
-    code = run_pytest(python, vset, ["tests/benchmarks"], options + args.pytest_args, None)
+    code = run_pytest(python, vset, ["tests/benchmarks"], [*options, *pytest_args], None)
     print(f"== set {vset.name}: pytest exit {code}, bench {time.monotonic() - started:.1f} s", flush=True)
     return code == 0
 
