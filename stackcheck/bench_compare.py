@@ -47,7 +47,7 @@ THRESHOLDS = (
 
 
 def device_kind(run: dict) -> str:
-    """'cpu' or 'gpu': where a bench JSON's run took place (stackcheck.plugin.device_name)."""
+    """'cpu' or 'gpu': where a bench JSON's run took place (stackcheck.hostinfo.device_name)."""
     return "cpu" if run.get("stackcheck", {}).get("device", "cpu").startswith("cpu") else "gpu"
 
 

@@ -47,8 +47,7 @@ def bench_device(request: pytest.FixtureRequest):
     """The GPU, or in smoke mode without one the CPU, with the copy bandwidth measured on it once."""
     import torch
 
-    from stackcheck import bench
-    from stackcheck.plugin import device_name
+    from stackcheck import bench, hostinfo
 
     device = bench.bench_device()
     if device.type == "cpu":
@@ -59,7 +58,7 @@ def bench_device(request: pytest.FixtureRequest):
         torch.set_num_threads(1)
     request.config.stash[BANDWIDTH] = {
         "measured_bytes_per_s": bench.copy_bandwidth(device),
-        "spec_bytes_per_s": bench.spec_bandwidth(device_name()),
+        "spec_bytes_per_s": bench.spec_bandwidth(hostinfo.device_name(request.config.stackcheck_platform)),
         "method": "device-to-device copy, bytes read + written, median of 10",
     }
     return device
@@ -69,13 +68,14 @@ def bench_device(request: pytest.FixtureRequest):
 def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json: dict) -> None:
     import torch
 
-    from stackcheck import bench
-    from stackcheck.plugin import device_name, installed_versions
+    from stackcheck import bench, hostinfo
+    from stackcheck.plugin import installed_versions
 
     output_json["stackcheck"] = {
         "set": config.getoption("--stackcheck-set"),
         "versions": installed_versions(),
-        "device": device_name(),
+        "device": hostinfo.device_name(config.stackcheck_platform),
+        "platform": config.stackcheck_platform,
         "mode": "smoke" if config.getoption("--stackcheck-bench-smoke") else "full",
         "sizes": bench_sizes(config),
         "bandwidth": config.stash.get(BANDWIDTH, None),

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from stackcheck import REPO_ROOT, bench_report, bisect, envs, gate, results, wheelhouse
-from stackcheck.lane import bench_set, record_unbuildable, run_pytest
+from stackcheck.ledger import LedgerError
+from stackcheck.lane import CPU_LANE, bench_set, check_ledger, record_unbuildable, run_pytest
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
 
 DEFAULT_RESULTS = REPO_ROOT / "results" / "matrix.json"
@@ -104,6 +105,7 @@ def run_matrix(args) -> int:
     if gpu:
         print(f"== device: {envs.cuda_device()}", flush=True)
     sets = _selected(args)
+    check_ledger()
     lanes = ["gpu", "cpu"] if gpu else ["cpu"]
     args.results.parent.mkdir(parents=True, exist_ok=True)
     failed = []
@@ -119,8 +121,10 @@ def run_matrix(args) -> int:
         print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
         results.forget_cells(args.results, vset.name, lanes)  # a re-run replaces the set's cells in these lanes
         lane_started = time.monotonic()
-        selection = [] if gpu else ["-m", "not gpu"]
+        selection = [] if gpu else [CPU_LANE]
         code = run_pytest(python, vset, ["tests/families"], ["-q", *selection, *args.pytest_args], args.results)
+        if code == 4:  # pytest's usage error: it printed the reason (a bad pytest argument, or the ledger)
+            raise UsageError(f"set {vset.name}: pytest refused the run (its ERROR line above)")
         print(f"== set {vset.name}: pytest exit {code}, {'+'.join(lanes)} lanes {time.monotonic() - lane_started:.1f} s, "
               f"with environment {time.monotonic() - started:.1f} s", flush=True)
         if code not in (0, 1):  # 1 only means some cells are not `pass`; their verdicts are recorded
@@ -207,6 +211,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"into {args.output} and {args.output.with_suffix('.md')}")
             return 0
         raise AssertionError(f"unhandled command {args.command}")  # argparse only accepts the commands above
-    except (UsageError, envs.EnvBuildError) as exc:
+    except (UsageError, envs.EnvBuildError, LedgerError) as exc:
         print(f"stackcheck: {exc}", file=sys.stderr)
         return 2

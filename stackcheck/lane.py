@@ -10,31 +10,37 @@ import time
 from pathlib import Path
 
 from stackcheck import REPO_ROOT, envs, results
-from stackcheck.ledger import ERROR, Ledger
+from stackcheck.ledger import ERROR, Ledger, family_modules
 from stackcheck.versions import UsageError, VersionSet
 
-FAMILIES_DIR = REPO_ROOT / "tests" / "families"
-# GPU-marked tests would only be skipped cells on a CPU host; the cache plugin would share state between runs.
-CPU_LANE_ARGS = ["-q", "-p", "no:cacheprovider", "-m", "not gpu"]
+# The CPU lane alone (GPU cells would only be skipped on a CPU host); the cache plugin would share state between runs.
+CPU_LANE = "--stackcheck-lanes=cpu"
+CPU_LANE_ARGS = ["-q", "-p", "no:cacheprovider", CPU_LANE]
 
 
 def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[str], results_path: Path | None) -> int:
-    command = [str(python), "-m", "pytest", *targets, f"--stackcheck-set={vset.name}", *extra]
+    # A family module that fails to import gets error cells; the other families still run.
+    command = [str(python), "-m", "pytest", *targets, f"--stackcheck-set={vset.name}", "--continue-on-collection-errors", *extra]
     if results_path:
         command.append(f"--stackcheck-results={results_path}")
     print("+", " ".join(command), flush=True)
     return subprocess.call(command, cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
 
 
+def check_ledger() -> None:
+    """The ledger loads and every family module has an entry (and every entry a module), checked before
+    any environment is built; a LedgerError is a usage error."""
+    Ledger().check_modules(family_modules())
+
+
 def record_unbuildable(results_path: Path, vset: VersionSet, reason: str) -> None:
     """A set whose environment cannot be built still gets a verdict in every family's cell."""
     results.record_set(results_path, vset.name, {"env": "not built"})
-    for family in Ledger().families:
-        results.record_cell(
-            results_path,
-            {"set": vset.name, "family": family, "test": f"tests/families/test_{family}.py", "lane": "cpu",
-             "verdict": ERROR, "signature": f"environment not built: {reason}", "bug": None, "seconds": 0.0},
-        )
+    results.record_cells(results_path, [
+        {"set": vset.name, "family": family, "test": f"tests/families/test_{family}.py", "lane": "cpu",
+         "verdict": str(ERROR), "signature": f"environment not built: {reason}", "bug": None, "note": "setup broke", "seconds": 0.0}
+        for family in family_modules()
+    ])
 
 
 def bench_set(vset: VersionSet, size: str, results_dir: Path, find_links=(), no_index: bool = False, repeat: int = 0,
@@ -59,7 +65,7 @@ def bench_set(vset: VersionSet, size: str, results_dir: Path, find_links=(), no_
 
 def family_targets(families: list[str] | None) -> list[str]:
     """Test module paths of the named families (every family in the ledger when None)."""
-    known = [f for f in Ledger().families if (FAMILIES_DIR / f"test_{f}.py").exists()]
+    known = family_modules()
     for family in families or []:
         if family not in known:
             raise UsageError(f"unknown family '{family}' (families: {', '.join(known)})")

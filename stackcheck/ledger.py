@@ -1,37 +1,80 @@
-"""The ledger of known upstream bugs (ledger.toml) and the verdict every test result gets from it."""
+"""The ledger of known upstream bugs (ledger.toml) and the verdict every test result gets from it.
+
+The ledger is checked when it loads (`LedgerError` names the entry and the key), so a typo fails loudly
+instead of quietly filing failures under the wrong bug. `Ledger.judge` is a pure function of the test,
+the installed versions and the failure, detached from the live traceback.
+"""
 
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 import tomllib
 import traceback
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
-from packaging.specifiers import SpecifierSet
+from packaging.specifiers import InvalidSpecifier, Specifier, SpecifierSet
 from packaging.version import Version
 
 from stackcheck import REPO_ROOT
+from stackcheck.versions import PACKAGES
 
 LEDGER_FILE = Path(__file__).with_name("ledger.toml")
+FAMILIES_DIR = REPO_ROOT / "tests" / "families"
+# The platform and our own helpers: their frames sit between the failing call and the raise (torch's
+# function modes and `Tensor` wrappers, `scenario`'s assertion helpers), so they never identify a bug.
+HARNESS_FRAMES = ("torch/", "stackcheck/")
 
-PASS, KNOWN_BUG, NEW_FAILURE, FIXED, ERROR, SKIPPED = "pass", "known_bug", "new_failure", "fixed", "error", "skipped"
-# Worst first: a family's cell in the report shows the worst verdict among its tests.
-SEVERITY = [NEW_FAILURE, ERROR, KNOWN_BUG, FIXED, PASS, SKIPPED]
+
+class Verdict(StrEnum):
+    """Every verdict a cell can get, worst first: a family's summary shows the worst of its cells."""
+
+    NEW_FAILURE = "new_failure"
+    ERROR = "error"  # scenario not reached, setup broke, or the cell was lost
+    FIXED = "fixed"  # passes where the ledger expects a bug: the ledger is stale, so it outranks known_bug
+    KNOWN_BUG = "known_bug"
+    NOT_AFFECTED = "not_affected"  # the scenario does not exist yet on versions that predate the bug
+    PASS = "pass"
+    SKIPPED = "skipped"
+
+
+PASS, KNOWN_BUG, NEW_FAILURE, FIXED, ERROR, SKIPPED, NOT_AFFECTED = (
+    Verdict.PASS, Verdict.KNOWN_BUG, Verdict.NEW_FAILURE, Verdict.FIXED, Verdict.ERROR, Verdict.SKIPPED, Verdict.NOT_AFFECTED,
+)
+SEVERITY = list(Verdict)
+
+
+class LedgerError(ValueError):
+    """ledger.toml is malformed: the message names the entry and what is wrong with it."""
 
 
 @dataclass(frozen=True)
 class Signature:
+    """How a failure of the bug looks: the exception class (anywhere in its MRO), the whole message
+    (`message` must match all of it), the frame that raised it (see `Failure.raising_frame`), and for a
+    numeric bug the band of measured values it is known at."""
+
     exception: str
     message: str
     frame: str
+    band: tuple[float, float] | None = None
 
     def matches_type_and_frame(self, failure: Failure) -> bool:
-        return self.exception in failure.exception_mro and any(f.endswith(self.frame) for f in failure.frames)
+        return self.exception in failure.exception_mro and failure.raising_frame == self.frame
+
+    def matches_message(self, failure: Failure) -> bool:
+        return re.fullmatch(self.message, failure.message, re.DOTALL) is not None
+
+    def in_band(self, failure: Failure) -> bool:
+        if self.band is None:
+            return failure.measured is None
+        return failure.measured is not None and math.isfinite(failure.measured) and self.band[0] <= failure.measured <= self.band[1]
 
     def matches(self, failure: Failure) -> bool:
-        return self.matches_type_and_frame(failure) and re.search(self.message, failure.message) is not None
+        return self.matches_type_and_frame(failure) and self.matches_message(failure) and self.in_band(failure)
 
 
 @dataclass(frozen=True)
@@ -40,16 +83,29 @@ class Bug:
     summary: str
     links: tuple[str, ...]
     upstream_status: str
-    affected: dict[str, str]
+    affected: dict[str, SpecifierSet]
     signature: Signature
 
     def affects(self, versions: dict[str, str]) -> bool:
         """True when every pinned constraint holds for the installed versions."""
-        for package, spec in self.affected.items():
+        return not self.unmet(versions)
+
+    def unmet(self, versions: dict[str, str]) -> list[tuple[str, Specifier]]:
+        """The (package, specifier) clauses of `affected` the installed versions fail."""
+        failed = []
+        for package, specifiers in self.affected.items():
             installed = versions.get(package)
-            if installed is None or not SpecifierSet(spec).contains(Version(installed), prereleases=True):
-                return False
-        return True
+            for spec in specifiers:
+                if installed in (None, "absent") or not spec.contains(Version(installed), prereleases=True):
+                    failed.append((package, spec))
+        return failed
+
+    def predates(self, versions: dict[str, str]) -> bool:
+        """True when the versions fail a lower bound of `affected`: the bug was not introduced yet."""
+        return any(spec.operator in (">=", ">") for _package, spec in self.unmet(versions))
+
+    def describe_range(self) -> str:
+        return ", ".join(f"{package}{spec}" for package, spec in self.affected.items()) or "every version"
 
 
 @dataclass(frozen=True)
@@ -70,18 +126,32 @@ class Failure:
     exception_mro: tuple[str, ...]
     message: str
     frames: tuple[str, ...]  # "path:function", innermost last
+    measured: float | None = None  # a numeric assertion's value (scenario.ToleranceExceeded)
+    not_reached: bool = False  # the test could not prove its precondition (scenario.ScenarioNotReached)
 
     @classmethod
-    def from_exception(cls, exc: BaseException) -> Failure:
+    def from_exception(cls, exc: BaseException, not_reached: bool = False) -> Failure:
         frames = tuple(f"{_short_path(f.filename)}:{f.name}" for f in traceback.extract_tb(exc.__traceback__))
         mro = tuple(k.__name__ for k in type(exc).__mro__)
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        return cls(type(exc).__name__, mro, str(message), frames)
+        message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+        if isinstance(exc, AssertionError):
+            # pytest's assertion rewriting appends its own explanation; the ledger describes the test's message.
+            message = re.sub(r"\nassert .*\Z", "", message, flags=re.DOTALL)
+        return cls(type(exc).__name__, mro, message, frames, getattr(exc, "measured", None), not_reached)
+
+    @property
+    def raising_frame(self) -> str:
+        """The innermost frame outside torch and stackcheck's helpers: the code whose call failed.
+
+        Not "any frame on the stack": Gemma 4's forward is on the stack of every forward, so a KeyError
+        raised anywhere below it would read as the shared-KV bug. Not the literal innermost frame either:
+        a torch wrapper (`torch/utils/_device.py`, `torch/_tensor.py`) may sit below the library's call,
+        and which one does changes with torch releases and with the context the call runs in."""
+        return next((f for f in reversed(self.frames) if not f.startswith(HARNESS_FRAMES)), self.frames[-1] if self.frames else "?")
 
     def signature(self) -> str:
         first_line = self.message.strip().splitlines()[0] if self.message.strip() else ""
-        where = next((f for f in reversed(self.frames) if not f.startswith("torch/")), self.frames[-1] if self.frames else "?")
-        return f"{self.exception_type}: {first_line[:200]} @ {where}"
+        return f"{self.exception_type}: {first_line[:200]} @ {self.raising_frame}"
 
 
 def _short_path(filename: str) -> str:
@@ -94,53 +164,128 @@ def _short_path(filename: str) -> str:
 
 
 @dataclass
-class Verdict:
-    verdict: str
+class Judgement:
+    verdict: Verdict
     bug: str | None = None
     signature: str | None = None
     note: str | None = None
     links: list[str] = field(default_factory=list)
 
 
+def family_modules(families_dir: Path = FAMILIES_DIR) -> list[str]:
+    """The family ids that have a module, tests/families/test_<id>.py."""
+    return sorted(path.stem.removeprefix("test_") for path in families_dir.glob("test_*.py"))
+
+
+def _require(condition: object, where: str, what: str) -> None:
+    if not condition:
+        raise LedgerError(f"ledger.toml: {where}: {what}")
+
+
+def _keys(entry: object, where: str, required: set[str], optional: set[str] = frozenset()) -> dict:
+    _require(isinstance(entry, dict), where, "expected a table")
+    _require(required <= entry.keys(), where, f"missing {', '.join(sorted(required - entry.keys()))}")
+    _require(entry.keys() <= required | optional, where, f"unknown key {', '.join(sorted(entry.keys() - required - optional))}")
+    return entry
+
+
+def _parse_bug(bug_id: str, entry: object, packages: tuple[str, ...]) -> Bug:
+    where = f"bugs.{bug_id}"
+    _keys(entry, where, {"summary", "links", "upstream_status", "affected", "signature"})
+    _require(isinstance(entry["links"], list) and entry["links"] and all(isinstance(x, str) for x in entry["links"]), where, "links must be a non-empty list of strings")
+    affected = {}
+    for package, spec in _keys(entry["affected"], f"{where}.affected", set(), set(packages)).items():
+        try:
+            affected[package] = SpecifierSet(spec)
+        except (InvalidSpecifier, TypeError):
+            raise LedgerError(f"ledger.toml: {where}.affected.{package}: '{spec}' is not a PEP 440 specifier") from None
+    sig = _keys(entry["signature"], f"{where}.signature", {"exception", "message", "frame"}, {"band"})
+    try:
+        re.compile(sig["message"])
+    except (re.error, TypeError) as exc:
+        raise LedgerError(f"ledger.toml: {where}.signature.message does not compile: {exc}") from None
+    _require(isinstance(sig["frame"], str) and re.fullmatch(r"[^:\s]+\.py:\w+", sig["frame"]), where, "signature.frame must be 'path/file.py:function'")
+    band = sig.get("band")
+    if band is not None:
+        _require(isinstance(band, list) and len(band) == 2 and all(isinstance(x, int | float) for x in band) and band[0] <= band[1],
+                 where, "signature.band must be [low, high] with low <= high")
+        band = (float(band[0]), float(band[1]))
+    signature = Signature(sig["exception"], sig["message"], sig["frame"], band)
+    return Bug(bug_id, entry["summary"], tuple(entry["links"]), entry["upstream_status"], affected, signature)
+
+
 class Ledger:
     def __init__(self, path: Path = LEDGER_FILE):
-        data = tomllib.loads(path.read_text())
-        self.bugs = {
-            bug_id: Bug(
-                id=bug_id,
-                summary=entry["summary"],
-                links=tuple(entry["links"]),
-                upstream_status=entry["upstream_status"],
-                affected=dict(entry["affected"]),
-                signature=Signature(**entry["signature"]),
-            )
-            for bug_id, entry in data["bugs"].items()
-        }
-        self.families = {
-            fam_id: Family(fam_id, entry["title"], tuple(self._bug_ref(ref) for ref in entry["bugs"]))
-            for fam_id, entry in data["families"].items()
-        }
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise LedgerError(f"{path.name}: {exc}") from None
+        _keys(data, "top level", {"families", "bugs"})
+        self.bugs = {bug_id: _parse_bug(bug_id, entry, PACKAGES) for bug_id, entry in data["bugs"].items()}
+        self.families = {fam_id: self._family(fam_id, entry) for fam_id, entry in data["families"].items()}
 
-    def _bug_ref(self, ref: str | dict) -> tuple[Bug, tuple[str, ...]]:
-        if isinstance(ref, str):
-            return self.bugs[ref], ("*",)
-        return self.bugs[ref["id"]], tuple(ref["tests"])
+    def _family(self, fam_id: str, entry: object) -> Family:
+        where = f"families.{fam_id}"
+        _keys(entry, where, {"title", "bugs"})
+        refs = []
+        for ref in entry["bugs"]:
+            if isinstance(ref, str):
+                ref = {"id": ref, "tests": ["*"]}
+            _keys(ref, f"{where}.bugs", {"id", "tests"})
+            _require(ref["id"] in self.bugs, where, f"names unknown bug '{ref['id']}'")
+            _require(isinstance(ref["tests"], list) and ref["tests"], where, f"tests of '{ref['id']}' must be a non-empty list")
+            refs.append((self.bugs[ref["id"]], tuple(ref["tests"])))
+        return Family(fam_id, entry["title"], tuple(refs))
 
-    def judge(self, family: str, test_name: str, versions: dict[str, str], failure: Failure | None) -> Verdict:
-        """Verdict for a test that passed (failure is None) or failed with `failure`."""
+    def check_modules(self, family_modules: list[str]) -> None:
+        """Every family module has an entry and every entry a module (module names without `test_`)."""
+        missing = sorted(set(family_modules) - self.families.keys())
+        _require(not missing, "families", f"no entry for family module(s) {', '.join(f'test_{m}.py' for m in missing)}")
+        orphans = sorted(self.families.keys() - set(family_modules))
+        _require(not orphans, "families", f"no module tests/families/test_<id>.py for {', '.join(orphans)}")
+
+    def check_patterns(self, family: str, test_names: list[str]) -> None:
+        """Every `tests` pattern of the family matches at least one of its collected tests."""
+        for bug, patterns in self.families[family].bugs:
+            for pattern in patterns:
+                _require(any(fnmatch.fnmatch(name, pattern) for name in test_names),
+                         f"families.{family}", f"tests pattern '{pattern}' of '{bug.id}' matches no collected test")
+
+    def judge(self, family: str, test_name: str, versions: dict[str, str], failure: Failure | None) -> Judgement:
+        """Verdict for a test that passed (failure is None), could not reach its scenario, or failed."""
         candidates = self.families[family].bugs_for(test_name)
         if failure is None:
             expected = [bug for bug in candidates if bug.affects(versions)]
             if expected:
                 bug = expected[0]
-                return Verdict(FIXED, bug.id, note=f"passes although the ledger says these versions have {bug.id}", links=list(bug.links))
-            return Verdict(PASS)
+                return Judgement(FIXED, bug.id, note=f"passes although the ledger says these versions have {bug.id}", links=list(bug.links))
+            return Judgement(PASS)
         signature = failure.signature()
+        if failure.not_reached:
+            if candidates and all(bug.predates(versions) for bug in candidates):
+                bugs = "; ".join(f"{bug.id} needs {bug.describe_range()}" for bug in candidates)
+                return Judgement(NOT_AFFECTED, None, signature, f"these versions predate the bug: {bugs}")
+            return Judgement(ERROR, signature=signature, note="scenario not reached")
         for bug in candidates:
             if bug.signature.matches(failure):
-                note = None if bug.affects(versions) else "known signature on versions the ledger marks unaffected"
-                return Verdict(KNOWN_BUG, bug.id, signature, note, list(bug.links))
+                if bug.affects(versions):
+                    return Judgement(KNOWN_BUG, bug.id, signature, None, list(bug.links))
+                note = f"known bug outside its affected range ({bug.describe_range()})"
+                return Judgement(NEW_FAILURE, bug.id, signature, note, list(bug.links))
+        numeric = [bug for bug in candidates if bug.signature.band and bug.signature.matches_type_and_frame(failure)
+                   and bug.signature.matches_message(failure)]
+        if numeric:
+            bug = min(numeric, key=lambda b: _distance(failure.measured, b.signature.band))
+            low, high = bug.signature.band
+            note = f"measured {failure.measured} outside the band [{low}, {high}] of the nearest known bug {bug.id}"
+            return Judgement(NEW_FAILURE, bug.id, signature, note, list(bug.links))
         for bug in candidates:
             if bug.signature.matches_type_and_frame(failure):
-                return Verdict(NEW_FAILURE, bug.id, signature, f"new signature of known bug {bug.id}", list(bug.links))
-        return Verdict(NEW_FAILURE, None, signature)
+                return Judgement(NEW_FAILURE, bug.id, signature, f"new signature of known bug {bug.id}", list(bug.links))
+        return Judgement(NEW_FAILURE, None, signature)
+
+
+def _distance(value: float | None, band: tuple[float, float]) -> float:
+    if value is None or not math.isfinite(value):
+        return math.inf
+    return max(band[0] - value, value - band[1], 0.0)

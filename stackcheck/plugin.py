@@ -4,8 +4,13 @@ Known bugs are reported to pytest as strict xfails (like peft's `xfail(raises=..
 green while a known bug reproduces and turns red on a new failure, an unreached scenario, or a test
 that passes where the ledger says it should not (`fixed`: update the ledger).
 
-Every family test runs in two lanes, `[cpu]` and `[gpu]`; a test marked `gpu` runs in the GPU lane only.
-The lane decides `scenario.main_device()`, so the CPU lane means the same on a GPU host as in CI.
+Every family test runs in two lanes, `[cpu]` and `[gpu]`; a test marked `gpu` runs in the GPU lane only,
+one marked `cpu` in the CPU lane only. `--stackcheck-lanes` chooses the lanes a run holds. The lane
+decides `scenario.main_device()`, so the CPU lane means the same on a GPU host as in CI.
+
+No cell vanishes: when collection finishes, every expected cell is recorded as lost, and each verdict
+replaces its placeholder as it comes. A crashed worker or process leaves its cells as `error` (cell lost);
+a family module that fails to import gets an `error` cell per lane.
 
 Under pytest-xdist (`-n N`) on a GPU host, each worker is pinned to one GPU (round robin over the visible
 ones) through CUDA_VISIBLE_DEVICES, set before anything in the worker initialises CUDA.
@@ -20,14 +25,17 @@ from pathlib import Path
 
 import pytest
 
-from stackcheck import REPO_ROOT, results, scenario
-from stackcheck.ledger import ERROR, FIXED, KNOWN_BUG, SKIPPED, Failure, Ledger, Verdict
+from stackcheck import REPO_ROOT, hostinfo, results, scenario
+from stackcheck.ledger import (
+    ERROR, FAMILIES_DIR, FIXED, KNOWN_BUG, NOT_AFFECTED, SKIPPED, Failure, Judgement, Ledger, LedgerError, family_modules,
+)
 from stackcheck.scenario import ScenarioNotReached
+from stackcheck.tiny import FixtureError
 from stackcheck.versions import PACKAGES
 
-FAMILIES_DIR = REPO_ROOT / "tests" / "families"
 CELL_KEY = "stackcheck_cell"
 WORKER_GPU_KEY = "stackcheck_cuda_visible_devices"
+LANES = ("cpu", "gpu")
 
 
 def installed_versions() -> dict[str, str]:
@@ -40,23 +48,25 @@ def installed_versions() -> dict[str, str]:
     return versions
 
 
-def device_name() -> str:
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.machine()})"
-
-
-def family_of(item: pytest.Item) -> str | None:
-    path = Path(str(item.path))
-    if path.parent != FAMILIES_DIR or not path.stem.startswith("test_"):
+def family_of(nodeid: str) -> str | None:
+    """The family of a test node id (or of a module path) under tests/families, else None."""
+    path = Path(nodeid.split("::", 1)[0])
+    if path.parent != FAMILIES_DIR.relative_to(REPO_ROOT) or not path.stem.startswith("test_"):
         return None
     return path.stem.removeprefix("test_")
+
+
+def lane_of(nodeid: str) -> str:
+    """The lane is the first parameter of every family test (`test_x[cpu-nf4]`)."""
+    params = nodeid.partition("[")[2]
+    return params.split("-", 1)[0].rstrip("]") if params else "cpu"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("stackcheck")
     group.addoption("--stackcheck-set", default="local", help="name of the version set under test")
     group.addoption("--stackcheck-results", default=None, help="matrix.json to record each cell in")
+    group.addoption("--stackcheck-lanes", default=",".join(LANES), help="comma-separated lanes to run (cpu, gpu)")
 
 
 def visible_gpus() -> list[str]:
@@ -79,24 +89,40 @@ def pytest_configure_node(node) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if WORKER_GPU_KEY in getattr(config, "workerinput", {}):
         os.environ["CUDA_VISIBLE_DEVICES"] = config.workerinput[WORKER_GPU_KEY]
-    config.stackcheck_ledger = Ledger()
+    try:
+        config.stackcheck_ledger = Ledger()
+    except LedgerError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    for family in config.stackcheck_ledger.families.values():
+        config.addinivalue_line("markers", f"{family.id}: {family.title}")
+    config.stackcheck_lanes = [lane for lane in config.getoption("--stackcheck-lanes").split(",") if lane]
+    if not set(config.stackcheck_lanes) <= set(LANES):
+        raise pytest.UsageError(f"--stackcheck-lanes: unknown lane in {config.stackcheck_lanes} (lanes: {', '.join(LANES)})")
     config.stackcheck_versions = installed_versions()
+    config.stackcheck_platform = hostinfo.platform_facts()
     path = config.getoption("--stackcheck-results")
     if path and not hasattr(config, "workerinput"):  # the xdist controller (or a plain run) owns the file
-        results.record_set(Path(path), config.getoption("--stackcheck-set"), config.stackcheck_versions, device_name())
-        config.pluginmanager.register(Recorder(Path(path)), "stackcheck-recorder")
+        recorder = Recorder(Path(path), config.getoption("--stackcheck-set"), config.stackcheck_lanes)
+        results.record_set(recorder.path, recorder.set_name, config.stackcheck_versions, config.stackcheck_platform)
+        config.pluginmanager.register(recorder, "stackcheck-recorder")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in config.stackcheck_versions.items())
-    return [f"stackcheck set '{config.getoption('--stackcheck-set')}': {versions}"]
+    facts = ", ".join(f"{k} {v}" for k, v in config.stackcheck_platform.items())
+    return [f"stackcheck set '{config.getoption('--stackcheck-set')}': {versions}", f"stackcheck platform: {facts}"]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if family_of(metafunc.definition) is None:
+    if family_of(metafunc.definition.nodeid) is None:
         return
     gpu_lane = pytest.param("gpu", marks=pytest.mark.gpu)
-    lanes = [gpu_lane] if metafunc.definition.get_closest_marker("gpu") else ["cpu", gpu_lane]
+    if metafunc.definition.get_closest_marker("gpu"):
+        lanes = [gpu_lane]
+    elif metafunc.definition.get_closest_marker("cpu"):
+        lanes = ["cpu"]
+    else:
+        lanes = ["cpu", gpu_lane]
     metafunc.parametrize("lane", lanes, indirect=True)
 
 
@@ -113,43 +139,62 @@ def lane(request: pytest.FixtureRequest):
     scenario.use_lane("cpu")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(tryfirst=True)  # before -k/-m deselect: the ledger is checked against everything collected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    ledger = config.stackcheck_ledger
+    by_family: dict[str, list[pytest.Item]] = {}
     for item in items:
-        family = family_of(item)
+        family = family_of(item.nodeid)
+        if family:
+            by_family.setdefault(family, []).append(item)
+    try:
+        ledger.check_modules(family_modules())
+        for family, family_items in by_family.items():
+            if not _selected_within_module(config, family):
+                ledger.check_patterns(family, [item.name for item in family_items])
+    except LedgerError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    kept, dropped = [], []
+    for item in items:
+        family = family_of(item.nodeid)
         if family:
             item.add_marker(getattr(pytest.mark, family))
+        (dropped if family and lane_of(item.nodeid) not in config.stackcheck_lanes else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+def _selected_within_module(config: pytest.Config, family: str) -> bool:
+    """Whether the run names single tests of the family's module, so that some of its tests are not collected."""
+    return any("::" in arg and family_of(arg) == family for arg in config.args)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
-    family = family_of(item)
+    family = family_of(item.nodeid)
     if family is None or not _is_final_phase(report):
         return
-    verdict = _judge(item, call, report, family)
-    lane = "gpu" if item.get_closest_marker("gpu") else "cpu"
-    report.user_properties.append(
-        (
-            CELL_KEY,
-            {
-                "set": item.config.getoption("--stackcheck-set"),
-                "family": family,
-                "test": item.nodeid,
-                "lane": lane,
-                "verdict": verdict.verdict,
-                "signature": verdict.signature,
-                "bug": verdict.bug,
-                "note": verdict.note,
-            },
-        )
-    )
-    if verdict.verdict == KNOWN_BUG:
+    judgement = _judge(item, call, report, family)
+    report.user_properties.append((CELL_KEY, _cell(item.config, family, item.nodeid, judgement)))
+    if judgement.verdict == KNOWN_BUG:
         report.outcome = "skipped"
-        report.wasxfail = f"known_bug {verdict.bug}: {verdict.signature}"
-    elif verdict.verdict == FIXED:
+        report.wasxfail = f"known_bug {judgement.bug}: {judgement.signature}"
+    elif judgement.verdict == NOT_AFFECTED:
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"not affected: {judgement.note}")
+    elif judgement.verdict == FIXED:
         report.outcome = "failed"
-        report.longrepr = f"[fixed] {verdict.note}; links: {' '.join(verdict.links)}"
+        report.longrepr = f"[fixed] {judgement.note}; links: {' '.join(judgement.links)}"
+
+
+def _cell(config: pytest.Config, family: str, nodeid: str, judgement: Judgement) -> dict:
+    return {
+        "set": config.getoption("--stackcheck-set"), "family": family, "test": nodeid, "lane": lane_of(nodeid),
+        "verdict": str(judgement.verdict), "signature": judgement.signature, "bug": judgement.bug, "note": judgement.note,
+    }
 
 
 def _is_final_phase(report: pytest.TestReport) -> bool:
@@ -157,27 +202,63 @@ def _is_final_phase(report: pytest.TestReport) -> bool:
     return report.when == "call" or (report.when == "setup" and not report.passed)
 
 
-def _judge(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport, family: str):
+def _judge(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport, family: str) -> Judgement:
     if report.skipped and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        return Verdict(SKIPPED, note=reason)
+        return Judgement(SKIPPED, note=reason)
     excinfo = call.excinfo
-    if report.when == "setup" or (excinfo and excinfo.errisinstance(ScenarioNotReached)):
-        failure = Failure.from_exception(excinfo.value)
-        return Verdict(ERROR, signature=failure.signature(), note="setup broke" if report.when == "setup" else None)
-    failure = Failure.from_exception(excinfo.value) if excinfo else None
+    if report.when == "setup" or (excinfo and excinfo.errisinstance(FixtureError)):
+        return Judgement(ERROR, signature=Failure.from_exception(excinfo.value).signature(), note="setup broke")
+    not_reached = bool(excinfo and excinfo.errisinstance(ScenarioNotReached))
+    failure = Failure.from_exception(excinfo.value, not_reached) if excinfo else None
     return item.config.stackcheck_ledger.judge(family, item.name, item.config.stackcheck_versions, failure)
 
 
 class Recorder:
-    """Writes each cell to matrix.json the moment its verdict is known, with setup + call seconds."""
+    """Writes each cell to matrix.json the moment its verdict is known, with setup + call seconds; runs in
+    the process that owns the results file (the xdist controller, or a plain run)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    LOST = "cell lost: the run ended before this cell's verdict (a crashed worker or process)"
+
+    def __init__(self, path: Path, set_name: str, lanes: list[str]):
+        self.path, self.set_name, self.lanes = path, set_name, lanes
+        self.fingerprint = results.fingerprint()
         self.seconds: dict[str, float] = {}
+        self.expected_recorded = False
+
+    def _lost(self, nodeid: str, family: str, signature: str = LOST, note: str | None = None) -> dict:
+        return {"set": self.set_name, "family": family, "test": nodeid, "lane": lane_of(nodeid), "verdict": str(ERROR),
+                "signature": signature, "bug": None, "note": note, "seconds": 0.0}
+
+    def _expect(self, nodeids: list[str]) -> None:
+        if self.expected_recorded:
+            return
+        self.expected_recorded = True
+        cells = [self._lost(nodeid, family) for nodeid in nodeids if (family := family_of(nodeid))]
+        results.record_cells(self.path, cells, self.fingerprint)
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self._expect([item.nodeid for item in session.items])
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids: list[str]) -> None:
+        self._expect(ids)
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        family = family_of(report.nodeid)
+        if not report.failed or family is None:
+            return
+        error = str(report.longrepr).strip().splitlines()
+        signature = f"family module does not import: {error[-1] if error else 'collection failed'}"
+        cells = [dict(self._lost(f"{report.nodeid}[{lane}]", family, signature, "setup broke"), lane=lane) for lane in self.lanes]
+        results.record_cells(self.path, cells, self.fingerprint)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
         cell = dict(report.user_properties).get(CELL_KEY)
+        family = family_of(report.nodeid)
+        if cell is None and family and report.failed and report.when not in ("setup", "call", "teardown"):
+            lines = str(report.longrepr).strip().splitlines()  # xdist's report of a crashed worker
+            cell = self._lost(report.nodeid, family, f"cell lost: {lines[0] if lines else 'worker crashed'}")
         if cell is not None:
-            results.record_cell(self.path, dict(cell, seconds=round(self.seconds[report.nodeid], 2)))
+            results.record_cells(self.path, [dict(cell, seconds=round(self.seconds[report.nodeid], 2))], self.fingerprint)

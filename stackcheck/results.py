@@ -10,12 +10,12 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from stackcheck import REPO_ROOT
+from stackcheck import REPO_ROOT, hostinfo
 from stackcheck.ledger import SEVERITY, SKIPPED, Ledger
 from stackcheck.versions import UsageError, load_sets
 
 LANES = ("gpu", "cpu")
-CELL_KEYS = ("set", "family", "test", "lane", "verdict", "signature", "bug", "seconds")
+CELL_KEYS = ("set", "family", "test", "lane", "verdict", "signature", "bug", "note", "seconds")
 # What a verdict means besides the libraries: the ledger, and the family tests with what they build and run.
 DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/scenario.py", "stackcheck/tiny.py", "fixtures/*.json", "tests/families/*.py")
 
@@ -85,24 +85,51 @@ def merge_into(target: dict, incoming: dict) -> dict:
     return target
 
 
-def record_set(path: Path, name: str, versions: dict[str, str], device: str | None = None) -> None:
+def record_set(path: Path, name: str, versions: dict[str, str], platform: dict[str, str] | None = None) -> None:
+    """Record the versions and platform a set runs with. A set recorded before with other versions or on
+    another platform loses all its cells, every lane's: none may stay listed under pins it did not run."""
     with _locked(path):
         data = load(path)
         current = fingerprint()
         if data.get("fingerprint", current) != current:
-            stale = path.with_name(f"{path.stem}.stale-{data['fingerprint']}.json")
+            stale = stale_path(path, data["fingerprint"])
             os.replace(path, stale)
             print(f"stackcheck: {path} held results of other family definitions; moved to {stale}", file=sys.stderr)
             data = empty()
         data["fingerprint"] = current
-        data["sets"][name] = dict(versions, **({"device": device} if device else {}))
+        entry = dict(versions)
+        if platform:
+            entry |= {"device": hostinfo.device_name(platform), "platform": platform}
+        previous = data["sets"].get(name)
+        if previous is not None and previous != entry:
+            dropped = [c for c in data["cells"] if c["set"] == name]
+            data["cells"] = [c for c in data["cells"] if c["set"] != name]
+            if dropped:
+                print(f"stackcheck: set '{name}' now runs other versions or on another platform; its {len(dropped)} "
+                      f"earlier cells are dropped", file=sys.stderr)
+        data["sets"][name] = entry
         save(path, data)
 
 
-def record_cell(path: Path, cell: dict) -> None:
+def stale_path(path: Path, other_fingerprint: str) -> Path:
+    """Where results of other family definitions go when a run of these definitions takes `path` over."""
+    return path.with_name(f"{path.stem}.stale-{other_fingerprint}.json")
+
+
+def record_cells(path: Path, cells: list[dict], run_fingerprint: str | None = None) -> None:
+    """Add cells of a run of the definitions `run_fingerprint` (default: the checkout's). If a run of other
+    definitions took the file over meanwhile (and moved this run's earlier cells aside), these cells follow
+    them there."""
+    run_fingerprint = run_fingerprint or fingerprint()
     with _locked(path):
         data = load(path)
-        merge_into(data, {"sets": {}, "cells": [{k: cell.get(k) for k in CELL_KEYS} | cell]})
+        if data.get("fingerprint", run_fingerprint) != run_fingerprint:
+            print(f"stackcheck: {path} was taken over by a run of other family definitions; this run's cells go to "
+                  f"{stale_path(path, run_fingerprint)}", file=sys.stderr)
+            path = stale_path(path, run_fingerprint)
+            data = load(path)
+        data.setdefault("fingerprint", run_fingerprint)
+        merge_into(data, {"sets": {}, "cells": [{k: cell.get(k) for k in CELL_KEYS} | cell for cell in cells]})
         save(path, data)
 
 
@@ -143,6 +170,14 @@ def worst(verdicts: list[str]) -> str:
     return min(verdicts, key=SEVERITY.index)
 
 
+VERSION_COLUMNS = ("python", "torch", "transformers", "peft", "accelerate", "bitsandbytes", "device")
+PLATFORM_COLUMNS = ("cpu", "cpu_flags", "bnb_cpu_packed_path", "torch_cpu_capability", "gpu", "gpu_driver", "cuda", "os")
+
+
+def _escape(text: object) -> str:
+    return str(text or "").replace("|", "\\|").replace("\n", " ")
+
+
 def render_markdown(data: dict, ledger: Ledger | None = None) -> str:
     ledger = ledger or Ledger()
     declared = list(load_sets()[0])  # named sets in sets.toml order, ad-hoc sets after them
@@ -150,32 +185,39 @@ def render_markdown(data: dict, ledger: Ledger | None = None) -> str:
     families = [f for f in ledger.families if any(c["family"] == f for c in data["cells"])]
     families += sorted({c["family"] for c in data["cells"]} - set(families))
     lines = ["# stackcheck matrix", ""]
-    lines += ["| set | " + " | ".join(["python", "torch", "transformers", "peft", "accelerate", "bitsandbytes", "device"]) + " |"]
-    lines += ["|---" * 8 + "|"]
+    lines += ["| set | " + " | ".join(VERSION_COLUMNS) + " |", "|---" * (len(VERSION_COLUMNS) + 1) + "|"]
     for name in sets:
-        v = data["sets"][name]
-        cols = [v.get(k, "") for k in ("python", "torch", "transformers", "peft", "accelerate", "bitsandbytes", "device")]
-        lines.append(f"| {name} | " + " | ".join(cols) + " |")
+        lines.append(f"| {name} | " + " | ".join(_escape(data["sets"][name].get(k)) for k in VERSION_COLUMNS) + " |")
+    lines += ["", "Platform each set ran on (what chooses a library's code path: `bnb_cpu_packed_path` is bitsandbytes' "
+              "AVX512-BF16 packed 4-bit CPU kernel):", ""]
+    lines += ["| set | " + " | ".join(PLATFORM_COLUMNS) + " |", "|---" * (len(PLATFORM_COLUMNS) + 1) + "|"]
+    for name in sets:
+        platform = data["sets"][name].get("platform") or {}
+        lines.append(f"| {name} | " + " | ".join(_escape(platform.get(k, "not recorded")) for k in PLATFORM_COLUMNS) + " |")
     columns = [(name, lane) for name in sets for lane in LANES if any(c["set"] == name and c["lane"] == lane for c in data["cells"])]
     lines += ["", "| family | " + " | ".join(f"{name} ({lane})" for name, lane in columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for family in families:
         row = [family]
         for name, lane in columns:
             cells = [c for c in data["cells"] if c["set"] == name and c["lane"] == lane and c["family"] == family]
-            row.append(_summary(cells, ledger) if cells else "")
+            row.append(_summary(cells, ledger) if cells else "**missing**")
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "## Cells", "", "| set | lane | test | verdict | bug | signature | s |", "|---" * 7 + "|"]
+    lines += ["", "## Cells", "", "| set | lane | test | verdict | bug | signature | note | s |", "|---" * 8 + "|"]
     for c in data["cells"]:
-        signature = (c.get("signature") or "").replace("|", "\\|")
         lines.append(
-            f"| {c['set']} | {c['lane']} | `{c['test']}` | {c['verdict']} | {c.get('bug') or ''} | {signature} | {c['seconds']:.1f} |"
+            f"| {c['set']} | {c['lane']} | `{c['test']}` | {c['verdict']} | {c.get('bug') or ''} | {_escape(c.get('signature'))} "
+            f"| {_escape(c.get('note'))} | {c['seconds']:.1f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def summary_counts(cells: list[dict]) -> str:
+    """Every verdict among the cells with its count, worst first: nothing (skipped included) is hidden."""
+    return ", ".join(f"{sum(c['verdict'] == v for c in cells)} {v}" for v in SEVERITY if any(c["verdict"] == v for c in cells))
 
 
 def _summary(cells: list[dict], ledger: Ledger) -> str:
     verdict = worst([c["verdict"] for c in cells])
     bugs = sorted({c["bug"] for c in cells if c["verdict"] == verdict and c.get("bug")})
-    counts = ", ".join(f"{sum(c['verdict'] == v for c in cells)} {v}" for v in SEVERITY if any(c["verdict"] == v for c in cells))
     links = [f"[{b}]({ledger.bugs[b].links[0]})" if b in ledger.bugs else b for b in bugs]
-    return f"**{verdict}** " + (" ".join(links) + " " if links else "") + f"({counts})"
+    return f"**{verdict}** " + (" ".join(links) + " " if links else "") + f"({summary_counts(cells)})"

@@ -1,8 +1,9 @@
 """Building blocks every family test shares: loading the tiny model the way the seed user did,
 dispatching it with accelerate, loading adapters through PEFT, and proving preconditions.
 
-Nothing here patches a library. Each helper calls the public entry point whose code path the seed
-traces go through, and the `require_*` helpers turn a missing precondition into ScenarioNotReached.
+Each helper calls the public entry point whose code path the seed traces go through, and the `require_*`
+helpers turn a missing precondition into ScenarioNotReached. One library setting is chosen rather than
+left to the machine: bitsandbytes' CPU kernel for 4-bit layers (`pin_portable_cpu_kernel`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,20 @@ class ScenarioNotReached(Exception):
 def require(condition: object, what: str) -> None:
     if not condition:
         raise ScenarioNotReached(what)
+
+
+class ToleranceExceeded(AssertionError):
+    """A measured value past its tolerance. The ledger files it under a numeric known bug only when
+    `measured` is finite and inside the band that bug was measured at."""
+
+    def __init__(self, what: str, measured: float, tolerance: float):
+        self.measured = measured
+        super().__init__(f"{what} {measured:.4f} > {tolerance}")
+
+
+def assert_within(what: str, measured: float, tolerance: float) -> None:
+    if not measured <= tolerance:  # written so that NaN fails too
+        raise ToleranceExceeded(what, measured, tolerance)
 
 
 def use_lane(lane: str) -> None:
@@ -85,7 +100,27 @@ def load_pretrained(model_class, checkpoint: Path, quantized: bool, double_quant
     `quantization_config` in kwargs, such as one with fp32 CPU offload, wins over the default one)."""
     if quantized:
         kwargs.setdefault("quantization_config", bnb_config(double_quant=double_quant))
-    return model_class.from_pretrained(checkpoint, dtype=torch.bfloat16, device_map=device_map, **kwargs).eval()
+    model = model_class.from_pretrained(checkpoint, dtype=torch.bfloat16, device_map=device_map, **kwargs).eval()
+    pin_portable_cpu_kernel(model)
+    return model
+
+
+def pin_portable_cpu_kernel(model: torch.nn.Module) -> None:
+    """Run every 4-bit layer of `model` on bitsandbytes' portable CPU kernel, on every CPU.
+
+    On a CPU with avx512_bf16, bitsandbytes' CPU build repacks a Linear4bit's weight at its first eval
+    forward without grad (`support_avx512bf16_for_cpu`, set from `has_avx512bf16()` when the layer is
+    built), un-nesting its quant state and rejecting widths that are not multiples of 32. The families
+    that share this loader test offload and PEFT bugs, so their verdicts must not depend on the CPU;
+    the packed path is tested on its own by the `bnb_cpu_packed_width` family. A bitsandbytes that has the
+    packed path but not the switch stops the scenario rather than silently choosing per machine."""
+    import bitsandbytes.functional
+
+    if not hasattr(bitsandbytes.functional, "_convert_weight_packed_for_cpu"):
+        return  # this bitsandbytes has no packed CPU path
+    for name, layer in linear4bit_modules(model).items():
+        require(hasattr(layer, "support_avx512bf16_for_cpu"), f"{name}: this bitsandbytes packs CPU weights with no per-layer switch")
+        layer.support_avx512bf16_for_cpu = False
 
 
 def linear4bit_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

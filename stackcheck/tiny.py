@@ -45,10 +45,18 @@ def _cache_dir(model: str = "tiny-gemma4", fixtures: tuple[str, ...] = ("tiny_ge
     return cache_root() / f"{model}-transformers-{transformers.__version__}-{digest.hexdigest()[:12]}"
 
 
-def tiny_config():
-    from transformers import Gemma4Config
+class FixtureError(Exception):
+    """A fixture could not be built with the installed libraries: the cell's setup broke, which says
+    nothing about the bug under test (the verdict is `error`, never `new_failure`)."""
 
-    return Gemma4Config(**_fixture("tiny_gemma4.json"))
+
+def tiny_config():
+    try:
+        from transformers import Gemma4Config
+
+        return Gemma4Config(**_fixture("tiny_gemma4.json"))
+    except Exception as exc:
+        raise FixtureError(f"the tiny Gemma 4 config cannot be built: {type(exc).__name__}: {exc}") from exc
 
 
 def _build_once(target: Path, build) -> Path:
@@ -58,7 +66,12 @@ def _build_once(target: Path, build) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
-        build(scratch)
+        try:
+            build(scratch)
+        except FixtureError:
+            raise
+        except Exception as exc:
+            raise FixtureError(f"fixture {target.name} cannot be built: {type(exc).__name__}: {exc}") from exc
         os.replace(scratch, target)
     except OSError:
         if not target.exists():  # lost a race to another worker: theirs is as good as ours

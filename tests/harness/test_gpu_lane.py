@@ -41,18 +41,18 @@ def test_gpu_matrix_without_a_gpu_is_one_line_and_exit_2():
 def test_a_set_counts_as_run_on_the_gpu_only_when_a_gpu_cell_ran(tmp_path):
     path = tmp_path / "matrix.json"
     results.record_set(path, "seed", VERSIONS)
-    results.record_cell(path, cell("t[cpu]", "pass"))
-    results.record_cell(path, dict(cell("t[gpu]", "skipped"), lane="gpu"))
+    results.record_cells(path, [cell("t[cpu]", "pass")])
+    results.record_cells(path, [dict(cell("t[gpu]", "skipped"), lane="gpu")])
     assert not results.ran_in_lane(path, "seed", "gpu")
-    results.record_cell(path, dict(cell("u[gpu]", "known_bug", bug="shared_kv_redispatch"), lane="gpu"))
+    results.record_cells(path, [dict(cell("u[gpu]", "known_bug", bug="shared_kv_redispatch"), lane="gpu")])
     assert results.ran_in_lane(path, "seed", "gpu")
 
 
 def test_a_rerun_forgets_only_the_lanes_it_runs(tmp_path):
     path = tmp_path / "matrix.json"
     results.record_set(path, "seed", VERSIONS)
-    results.record_cell(path, cell("t[cpu]", "pass"))
-    results.record_cell(path, dict(cell("t[gpu]", "pass"), lane="gpu"))
+    results.record_cells(path, [cell("t[cpu]", "pass")])
+    results.record_cells(path, [dict(cell("t[gpu]", "pass"), lane="gpu")])
     results.forget_cells(path, "seed", ["cpu"])
     assert [c["test"] for c in results.load(path)["cells"]] == ["t[gpu]"]
     assert "| family | seed (gpu) |" in path.with_suffix(".md").read_text()

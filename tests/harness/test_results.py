@@ -18,9 +18,9 @@ def cell(test, verdict, set_name="seed", bug=None):
 def test_each_cell_is_on_disk_as_soon_as_it_is_recorded(tmp_path):
     path = tmp_path / "matrix.json"
     results.record_set(path, "seed", VERSIONS)
-    results.record_cell(path, cell("t1", "known_bug", bug="shared_kv_redispatch"))
+    results.record_cells(path, [cell("t1", "known_bug", bug="shared_kv_redispatch")])
     assert [c["test"] for c in json.loads(path.read_text())["cells"]] == ["t1"]
-    results.record_cell(path, cell("t2", "pass"))
+    results.record_cells(path, [cell("t2", "pass")])
     data = json.loads(path.read_text())
     assert {c["test"] for c in data["cells"]} == {"t1", "t2"}
     assert set(data) == {"sets", "cells", "fingerprint"} and data["sets"]["seed"]["transformers"] == "5.6.2"
@@ -54,9 +54,9 @@ def two_jobs(tmp_path):
     """Two per-job matrix.json files, as two CI jobs write them."""
     seed, latest = tmp_path / "seed" / "matrix.json", tmp_path / "latest" / "matrix.json"
     results.record_set(seed, "seed", VERSIONS)
-    results.record_cell(seed, cell("t1", "known_bug", bug="shared_kv_redispatch"))
+    results.record_cells(seed, [cell("t1", "known_bug", bug="shared_kv_redispatch")])
     results.record_set(latest, "latest", dict(VERSIONS, transformers="5.23.0"))
-    results.record_cell(latest, cell("t1", "pass", set_name="latest"))
+    results.record_cells(latest, [cell("t1", "pass", set_name="latest")])
     return seed, latest
 
 

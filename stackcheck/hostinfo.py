@@ -1,0 +1,76 @@
+"""The facts of the machine a set ran on that can change a verdict, recorded with every set's results:
+the CPU and the instruction-set extensions that choose a library's code path, what bitsandbytes and torch
+chose from them, the GPU with its driver and CUDA, and the OS."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+# Extensions that send torch or bitsandbytes down another CPU code path (avx512_bf16: bitsandbytes' packed
+# 4-bit weights; avx512f / avx2: torch's kernel dispatch).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    model, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+            if flags and model:
+                break
+    return model, flags
+
+
+def bnb_cpu_packed_path() -> str:
+    """Whether bitsandbytes' CPU build would repack 4-bit weights for its AVX512-BF16 kernel here."""
+    try:
+        import bitsandbytes.functional as bnb_functional
+    except Exception as exc:  # any import failure: the fact is then "unknown", the run goes on
+        return f"unknown (bitsandbytes does not import: {type(exc).__name__})"
+    if not hasattr(bnb_functional, "_convert_weight_packed_for_cpu"):
+        return "absent in this bitsandbytes"
+    return "taken" if bnb_functional.has_avx512bf16() else "not taken (bitsandbytes reports no avx512_bf16)"
+
+
+def _nvidia_driver() -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return str(pynvml.nvmlSystemGetDriverVersion())
+    except Exception:  # nvidia-ml-py missing or NVML not loadable: ask the command line tool instead
+        if shutil.which("nvidia-smi"):
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip().splitlines()[0]
+        return "unknown"
+
+
+def platform_facts() -> dict[str, str]:
+    import torch
+
+    model, flags = _cpuinfo()
+    facts = {
+        "os": platform.platform(),
+        "cpu": model,
+        "cpu_flags": " ".join(flag for flag in CPU_FLAGS if flag in flags) or "none of " + " ".join(CPU_FLAGS),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bnb_cpu_packed_path": bnb_cpu_packed_path(),
+    }
+    if torch.cuda.is_available():
+        facts |= {"gpu": torch.cuda.get_device_name(0), "gpu_driver": _nvidia_driver(), "cuda": str(torch.version.cuda)}
+    else:
+        facts["gpu"] = "none"
+    return facts
+
+
+def device_name(facts: dict[str, str]) -> str:
+    return facts["gpu"] if facts["gpu"] != "none" else f"cpu ({platform.machine()})"

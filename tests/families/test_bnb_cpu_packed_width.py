@@ -1,0 +1,78 @@
+"""4-bit inference on the CPU fails for layer widths bitsandbytes' packed AVX512-BF16 kernel cannot pack.
+
+Symptom (found by stackcheck): on a CPU with avx512_bf16, bitsandbytes' CPU build repacks a `Linear4bit`'s
+weight at its first forward in eval mode on an input without grad (`Linear4bit.forward` ->
+`_convert_weight_packed_for_cpu`), which every `from_pretrained` model's inference does. Packing asserts
+`out_features % 32 == 0` (`AssertionError: N must be divisible by block_n`) and reshapes the absmax as
+`(out_features, in_features // blocksize)` (`RuntimeError: shape '[1152, 67]' is invalid for input of size
+77472` when in_features is not a multiple of the blocksize, 64). SigLIP-so400m's MLP, the vision tower of
+PaliGemma, Gemma 3 and Idefics among others, is 1152 -> 4304 -> 1152: its fc1 fails the first way and its
+fc2 the second. On a CPU without avx512_bf16 the same layers run bitsandbytes' portable kernel.
+
+Upstream: the path came with bitsandbytes#1804 (first release 0.49.0; 0.48.2 has none); no issue or fix
+reports either error up to bitsandbytes main of 2026-08-19 (0.50.2 is the newest release). Minimal repro:
+`bnb.nn.Linear4bit(64, 48, quant_type="nf4")` on such a CPU, `.eval()`, forward under `torch.no_grad()`.
+
+Precondition proven: this bitsandbytes has the packed path, bitsandbytes itself reports avx512_bf16 (else
+the cell is skipped: the verdict depends on the CPU and says so), the layer is a quantized NF4 `Linear4bit`
+on the CPU in eval mode with its packing switch on and an input without grad, and for a pass the forward
+really packed the weight (`quant_state.packing_format_for_cpu`).
+
+Tolerance: the packed kernel computes in bf16 as the portable one does, with another summation order;
+measured against the portable kernel on the 1152 x 1152 control (this host, bitsandbytes 0.49.2 and
+0.50.2), the relative error of the output is 0.0029; 0.02 leaves room for other CPUs and catches a wrong
+packing (a transposed absmax gives errors near 1).
+"""
+
+import copy
+
+import pytest
+import torch
+
+from stackcheck import scenario
+
+PACKED_TOLERANCE = 0.02
+# (in_features, out_features): SigLIP-so400m's MLP, and a control whose widths the packed path accepts.
+SHAPES = {"siglip_so400m_fc1": (1152, 4304), "siglip_so400m_fc2": (4304, 1152), "multiple_of_32_control": (1152, 1152)}
+
+
+def quantized_linear4bit(in_features: int, out_features: int):
+    """A bf16 linear layer quantized to NF4 with double quant on the CPU, as transformers' bitsandbytes
+    quantizer builds it: `Params4bit(weight)` moved to the device quantizes it."""
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    weight = torch.nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16).weight.data
+    layer = bnb.nn.Linear4bit(in_features, out_features, bias=False, compute_dtype=torch.bfloat16,
+                              compress_statistics=True, quant_type="nf4", device="meta")
+    layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=True, quant_type="nf4").to("cpu")
+    scenario.require_nested_linear4bit("the layer", layer)
+    return layer.eval()
+
+
+def require_packed_path_here() -> None:
+    import bitsandbytes.functional
+
+    scenario.require(hasattr(bitsandbytes.functional, "_convert_weight_packed_for_cpu"), "this bitsandbytes has no packed CPU path")
+    if not bitsandbytes.functional.has_avx512bf16():
+        pytest.skip("depends on the CPU: bitsandbytes reports no avx512_bf16 here, so 4-bit layers never take its packed path")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_linear4bit_cpu_inference_matches_the_portable_kernel(shape):
+    require_packed_path_here()
+    layer = quantized_linear4bit(*shape)
+    scenario.require(layer.support_avx512bf16_for_cpu, "bitsandbytes turned the layer's packing switch off")
+    portable = copy.deepcopy(layer)
+    scenario.pin_portable_cpu_kernel(portable)
+    x = torch.randn(4, shape[0], dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = portable(x)
+        scenario.require(not getattr(portable.weight.quant_state, "packing_format_for_cpu", False), "the portable reference was packed")
+
+        packed = layer(x)
+
+    scenario.require(layer.weight.quant_state.packing_format_for_cpu, "the forward did not take the packed path")
+    error = ((packed.float() - expected.float()).norm() / expected.float().norm()).item()
+    scenario.assert_within("packed 4-bit CPU output differs from the portable kernel's: relative error", error, PACKED_TOLERANCE)
