@@ -1,7 +1,9 @@
 """User mistakes end in one line on stderr, `stackcheck: <message>`, and exit code 2, never in a traceback,
 and before any environment is built."""
 
+import json
 import tomllib
+from pathlib import Path
 
 import pytest
 from packaging.specifiers import SpecifierSet
@@ -37,3 +39,49 @@ def test_merge_inputs_are_absolute_too(tmp_path, monkeypatch):
 def test_no_python_without_tomllib_is_claimed():
     claim = SpecifierSet(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["requires-python"])
     assert "3.10" not in claim and "3.11" in claim
+
+
+def one_usage_line(code: int, capsys) -> str:
+    """The one stderr line of a usage error (exit 2, no traceback)."""
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("stackcheck: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+VERSIONS = {"python": "3.11.7", "torch": "2.13.0", "transformers": "5.6.2", "peft": "0.19.1", "accelerate": "1.13.0", "bitsandbytes": "0.49.2"}
+CELL = {"set": "seed", "family": "merge_parity", "test": "t[cpu]", "lane": "cpu", "verdict": "pass", "signature": None, "bug": None, "seconds": 1.0}
+
+
+def matrix_json(tmp_path, **changes) -> Path:
+    path = tmp_path / "job" / "matrix.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"sets": {"seed": VERSIONS}, "cells": [CELL]} | changes))
+    return path
+
+
+MALFORMED = {
+    "a cell without a verdict": ({"cells": [{k: v for k, v in CELL.items() if k != "verdict"}]}, "cell 0 has no verdict"),
+    "sets as a list": ({"sets": ["seed"]}, "`sets` is not an object"),
+    "a set's versions as a list": ({"sets": {"seed": ["2.13.0"]}}, "set 'seed' is not an object of version strings"),
+    "cells as an object": ({"cells": {"0": CELL}}, "`cells` is not a list"),
+    "a cell as a list": ({"cells": [list(CELL.values())]}, "cell 0 is not an object"),
+    "seconds as text": ({"cells": [dict(CELL, seconds="1.0")]}, "seconds a number"),
+    "an unknown verdict": ({"cells": [dict(CELL, verdict="ok")]}, "unknown verdict 'ok'"),
+}
+
+
+@pytest.mark.parametrize("changes, message", MALFORMED.values(), ids=MALFORMED)
+def test_merge_of_a_malformed_matrix_json_names_the_file(changes, message, tmp_path, capsys):
+    path = matrix_json(tmp_path, **changes)
+    output = tmp_path / "merged.json"
+    line = one_usage_line(cli.main(["merge", str(path), "--output", str(output)]), capsys)
+    assert line.startswith(f"stackcheck: {path} is not a stackcheck matrix.json: ") and message in line
+    assert not output.exists()
+
+
+def test_merge_of_a_file_that_is_not_json(tmp_path, capsys):
+    path = tmp_path / "matrix.json"
+    path.write_text("{not json")
+    assert one_usage_line(cli.main(["merge", str(path), "--output", str(tmp_path / "m.json")]), capsys).startswith(f"stackcheck: cannot read {path}: ")
+
