@@ -22,6 +22,18 @@ def absolute_path(text: str) -> Path:
     return Path(text).expanduser().resolve()
 
 
+def check_file_option(option: str, path: Path) -> None:
+    """An option naming a file to write: refused up front when a folder is in the way."""
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a folder; name the file to write")
+
+
+def check_folder_option(option: str, path: Path) -> None:
+    """An option naming a folder to write into: refused up front when a file is in the way."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {path} is a file; name a folder")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stackcheck", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -207,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "gate":
             return gate.run(args)
         if args.command == "merge":
+            check_file_option("--output", args.output)
             merged = results.merge_files(args.inputs, args.output)
             print(f"merged {len(args.inputs)} files ({len(merged['sets'])} sets, {len(merged['cells'])} cells) "
                   f"into {args.output} and {args.output.with_suffix('.md')}")

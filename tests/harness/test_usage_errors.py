@@ -85,3 +85,7 @@ def test_merge_of_a_file_that_is_not_json(tmp_path, capsys):
     path.write_text("{not json")
     assert one_usage_line(cli.main(["merge", str(path), "--output", str(tmp_path / "m.json")]), capsys).startswith(f"stackcheck: cannot read {path}: ")
 
+
+def test_merge_output_that_is_a_folder(tmp_path, capsys):
+    line = one_usage_line(cli.main(["merge", str(matrix_json(tmp_path)), "--output", str(tmp_path)]), capsys)
+    assert line == f"stackcheck: --output {tmp_path} is a folder; name the file to write"
