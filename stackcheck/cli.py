@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bisect":
             return bisect.run(args)
         if args.command == "gate":
+            check_folder_option("--output", args.output)
             return gate.run(args)
         if args.command == "merge":
             check_file_option("--output", args.output)

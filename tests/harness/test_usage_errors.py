@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from stackcheck import REPO_ROOT, cli
+from stackcheck import REPO_ROOT, cli, envs
 
 PATH_OPTIONS = [
     (["matrix", "--results", "out/m.json"], "results", "out/m.json"),
@@ -89,3 +89,19 @@ def test_merge_of_a_file_that_is_not_json(tmp_path, capsys):
 def test_merge_output_that_is_a_folder(tmp_path, capsys):
     line = one_usage_line(cli.main(["merge", str(matrix_json(tmp_path)), "--output", str(tmp_path)]), capsys)
     assert line == f"stackcheck: --output {tmp_path} is a folder; name the file to write"
+
+
+@pytest.fixture
+def no_environments(monkeypatch):
+    """A usage error must show before any set's environment is built (minutes, in a real run)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("an environment was built before the usage error")
+
+    monkeypatch.setattr(envs, "build", refuse)
+
+
+def test_gate_output_that_is_a_file(tmp_path, capsys, no_environments):
+    output = tmp_path / "gate.txt"
+    output.write_text("")
+    line = one_usage_line(cli.main(["gate", "--with", "accelerate==1.14.0", "--output", str(output)]), capsys)
+    assert line == f"stackcheck: --output {output} is a file; name a folder"
