@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, bench_report, bisect, envs, gate, results, wheelhouse
+from stackcheck import REPO_ROOT, bench_compare, bench_report, bisect, envs, gate, results, wheelhouse
 from stackcheck.lane import bench_set, record_unbuildable, run_pytest
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
 
@@ -174,7 +173,7 @@ def run_bench(args) -> int:
     args.results.mkdir(parents=True, exist_ok=True)
     failed = [] if args.render_only else [v.name for v in sets if not bench_set(
         v, size, args.results, args.find_links, args.no_index, args.repeat, args.smoke, args.pytest_args)]
-    runs = {vset.name: json.loads(path.read_text()) for vset in sets if (path := args.results / f"{vset.slug}.json").exists()}
+    runs = {vset.name: bench_compare.load(path) for vset in sets if (path := args.results / f"{vset.slug}.json").exists()}
     if baseline not in runs:
         print(f"stackcheck: no bench results for the baseline set '{baseline}' in {args.results}", file=sys.stderr)
         return 1

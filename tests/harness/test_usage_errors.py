@@ -105,3 +105,35 @@ def test_gate_output_that_is_a_file(tmp_path, capsys, no_environments):
     output.write_text("")
     line = one_usage_line(cli.main(["gate", "--with", "accelerate==1.14.0", "--output", str(output)]), capsys)
     assert line == f"stackcheck: --output {output} is a file; name a folder"
+
+
+def bench_entry(**info) -> dict:
+    return {"stats": {"median": 0.5, "iqr": 0.01},
+            "extra_info": {"size": "tiny", "case": "bf16", "phase": "decode", "tokens": 8, "parameters": 100,
+                           "weights": {"expected": {"cpu": 200}, "stored": {"cpu": 210}}, "memory": {}} | info}
+
+
+CORRUPT_BENCH = {
+    "not JSON": ("{", "cannot read"),
+    "a list": ("[]", "is not a stackcheck bench JSON: it has no `benchmarks` list"),
+    "an entry without stats": (json.dumps({"benchmarks": [{"extra_info": bench_entry()["extra_info"]}]}), "benchmark 0 has no `stats`"),
+    "tokens as text": (json.dumps({"benchmarks": [bench_entry(tokens="8")]}), "benchmark 0: its median (> 0), iqr and tokens"),
+    "weights without stored": (json.dumps({"benchmarks": [bench_entry(weights={"expected": {}})]}), "benchmark 0: its `memory`, or its `weights`"),
+    "stackcheck as a list": (json.dumps({"benchmarks": [], "stackcheck": []}), "`stackcheck`, or its `versions` or `bandwidth`, is not an object"),
+    "not_measured without reasons": (json.dumps({"benchmarks": [], "stackcheck": {"not_measured": [{"size": "tiny"}]}}), "`stackcheck.not_measured`"),
+}
+
+
+@pytest.mark.parametrize("text, message", CORRUPT_BENCH.values(), ids=CORRUPT_BENCH)
+def test_bench_render_only_over_a_corrupt_json_names_the_file(text, message, tmp_path, capsys, no_environments):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "seed.json").write_text(text)
+    line = one_usage_line(cli.main(["bench", "--sets", "seed", "--render-only", "--results", str(tmp_path / "bench")]), capsys)
+    assert line.startswith("stackcheck: ") and str(tmp_path / "bench" / "seed.json") in line and message in line, line
+
+
+def test_bench_render_only_reads_a_well_formed_json(tmp_path, capsys):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "seed.json").write_text(json.dumps({"benchmarks": [bench_entry()], "stackcheck": {"device": "cpu", "mode": "smoke"}}))
+    assert cli.main(["bench", "--sets", "seed", "--render-only", "--results", str(tmp_path / "bench")]) == 0
+    assert "| tiny/bf16 |" in (tmp_path / "bench.md").read_text()
