@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from stackcheck import REPO_ROOT, cli, envs
+from stackcheck import REPO_ROOT, cli, envs, wheelhouse
+from stackcheck.versions import UsageError
 
 PATH_OPTIONS = [
     (["matrix", "--results", "out/m.json"], "results", "out/m.json"),
@@ -137,3 +138,15 @@ def test_bench_render_only_reads_a_well_formed_json(tmp_path, capsys):
     (tmp_path / "bench" / "seed.json").write_text(json.dumps({"benchmarks": [bench_entry()], "stackcheck": {"device": "cpu", "mode": "smoke"}}))
     assert cli.main(["bench", "--sets", "seed", "--render-only", "--results", str(tmp_path / "bench")]) == 0
     assert "| tiny/bf16 |" in (tmp_path / "bench.md").read_text()
+
+
+def test_a_host_freeze_line_with_an_invalid_version_is_named(tmp_path, capsys):
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("torch==2.13.0\nfoo==1.0-custom\n")
+    message = f"{freeze}, line 2: 'foo==1.0-custom': '1.0-custom' is not a valid version"
+    with pytest.raises(UsageError) as raised:
+        wheelhouse.read_freeze(freeze)
+    assert str(raised.value) == message
+    dest = tmp_path / "house"
+    line = one_usage_line(cli.main(["wheelhouse", "--sets", "seed", "--dest", str(dest), "--host-freeze", str(freeze)]), capsys)
+    assert line == f"stackcheck: {message}" and not dest.exists()  # refused before any download
