@@ -117,6 +117,9 @@ def _selected(args) -> list[VersionSet]:
 
 def run_matrix(args) -> int:
     """`matrix` runs the CPU lane; `gpu-matrix` both lanes, and fails when no GPU cell really ran."""
+    check_file_option("--results", args.results)
+    if args.results.exists():
+        results.load_checked(args.results)  # the sets record into it: a corrupt one would fail only after a build
     gpu = args.command == "gpu-matrix"
     if gpu:
         print(f"== device: {envs.cuda_device()}", flush=True)

@@ -150,3 +150,18 @@ def test_a_host_freeze_line_with_an_invalid_version_is_named(tmp_path, capsys):
     dest = tmp_path / "house"
     line = one_usage_line(cli.main(["wheelhouse", "--sets", "seed", "--dest", str(dest), "--host-freeze", str(freeze)]), capsys)
     assert line == f"stackcheck: {message}" and not dest.exists()  # refused before any download
+
+
+@pytest.mark.parametrize("command", ["matrix", "gpu-matrix"])
+def test_matrix_results_that_is_a_folder(command, tmp_path, capsys, no_environments):
+    line = one_usage_line(cli.main([command, "--sets", "seed", "--results", str(tmp_path)]), capsys)
+    assert line == f"stackcheck: --results {tmp_path} is a folder; name the file to write"
+
+
+@pytest.mark.parametrize("text, message", [("{", "cannot read"), ('{"sets": [], "cells": []}', "`sets` is not an object")],
+                         ids=["not JSON", "sets as a list"])
+def test_matrix_over_corrupt_results_fails_before_any_build(text, message, tmp_path, capsys, no_environments):
+    path = tmp_path / "matrix.json"
+    path.write_text(text)
+    line = one_usage_line(cli.main(["matrix", "--sets", "seed", "--results", str(path)]), capsys)
+    assert str(path) in line and message in line, line
