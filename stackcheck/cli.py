@@ -132,11 +132,11 @@ def run_matrix(args) -> int:
         print(f"== set {vset.name}: {', '.join(f'{k} {v}' for k, v in vset.pins.items())}", flush=True)
         try:
             python = envs.build(vset, args.find_links, args.no_index)
+            print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
         except envs.EnvBuildError as exc:
             record_unbuildable(args.results, vset, str(exc))
             failed.append(vset.name)
             continue
-        print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
         results.forget_cells(args.results, vset.name, lanes)  # a re-run replaces the set's cells in these lanes
         lane_started = time.monotonic()
         selection = [] if gpu else ["-m", "not gpu"]
@@ -157,7 +157,7 @@ def run_matrix(args) -> int:
 def run_tests(args) -> int:
     (vset,) = _selected(args)
     python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
-    print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
+    print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
     return run_pytest(python, vset, ["tests"], args.pytest_args, None)
 
 

@@ -9,7 +9,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 from stackcheck import REPO_ROOT, cli, envs, wheelhouse
-from stackcheck.versions import UsageError
+from stackcheck.versions import UsageError, resolve
 
 PATH_OPTIONS = [
     (["matrix", "--results", "out/m.json"], "results", "out/m.json"),
@@ -165,3 +165,37 @@ def test_matrix_over_corrupt_results_fails_before_any_build(text, message, tmp_p
     path.write_text(text)
     line = one_usage_line(cli.main(["matrix", "--sets", "seed", "--results", str(path)]), capsys)
     assert str(path) in line and message in line, line
+
+
+@pytest.fixture
+def python_without_torch(tmp_path) -> Path:
+    """An environment's python whose torch does not import, as a broken `--with torch==X` pin leaves it."""
+    python = tmp_path / "env" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\necho 'Traceback (most recent call last):' >&2\n"
+                      "echo \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n")
+    python.chmod(0o755)
+    return python
+
+
+def test_an_environment_that_cannot_report_its_versions_is_unbuildable(python_without_torch):
+    (seed,) = resolve(["seed"])
+    with pytest.raises(envs.EnvBuildError) as raised:
+        envs.versions_in(python_without_torch, seed)
+    assert str(raised.value) == (f"the environment of set seed ({python_without_torch}) cannot report its versions: "
+                                 "ModuleNotFoundError: No module named 'torch'")
+
+
+def test_the_tests_command_on_such_an_environment_fails_in_one_line(python_without_torch, monkeypatch, capsys):
+    monkeypatch.setattr(envs, "build", lambda *args, **kwargs: python_without_torch)
+    line = one_usage_line(cli.main(["tests", "--set", "seed"]), capsys)
+    assert line.startswith("stackcheck: the environment of set seed (") and line.endswith("No module named 'torch'")
+
+
+def test_the_matrix_records_such_a_set_as_unbuildable(python_without_torch, tmp_path, monkeypatch):
+    monkeypatch.setattr(envs, "build", lambda *args, **kwargs: python_without_torch)
+    path = tmp_path / "matrix.json"
+    assert cli.main(["matrix", "--sets", "seed", "--results", str(path)]) == 1
+    cells = json.loads(path.read_text())["cells"]
+    assert cells and all(c["set"] == "seed" and c["verdict"] == "error" for c in cells)
+    assert all(c["signature"].startswith("environment not built: the environment of set seed") for c in cells)
