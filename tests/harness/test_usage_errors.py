@@ -1,6 +1,7 @@
 """User mistakes end in one line on stderr, `stackcheck: <message>`, and exit code 2, never in a traceback,
 and before any environment is built."""
 
+import functools
 import json
 import tomllib
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from stackcheck import REPO_ROOT, cli, envs, wheelhouse
+from stackcheck import REPO_ROOT, cli, envs, versions, wheelhouse
 from stackcheck.versions import UsageError, resolve
 
 PATH_OPTIONS = [
@@ -199,3 +200,14 @@ def test_the_matrix_records_such_a_set_as_unbuildable(python_without_torch, tmp_
     cells = json.loads(path.read_text())["cells"]
     assert cells and all(c["set"] == "seed" and c["verdict"] == "error" for c in cells)
     assert all(c["signature"].startswith("environment not built: the environment of set seed") for c in cells)
+
+
+def test_refresh_latest_without_a_latest_set(tmp_path, monkeypatch, capsys):
+    sets_file = tmp_path / "sets.toml"
+    sets_file.write_text('default = "seed"\n\n[sets.seed]\ntransformers = "5.6.2"\n')
+    monkeypatch.setattr(versions, "index_versions", lambda package: pytest.fail("asked the package index"))
+    with pytest.raises(UsageError, match=r"has no \[sets.latest\] table to refresh"):
+        versions.refresh_latest(sets_file)
+    monkeypatch.setattr(cli, "refresh_latest", functools.partial(versions.refresh_latest, sets_file))
+    line = one_usage_line(cli.main(["refresh-latest"]), capsys)
+    assert line == f"stackcheck: {sets_file} has no [sets.latest] table to refresh"
