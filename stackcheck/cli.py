@@ -164,6 +164,7 @@ def run_tests(args) -> int:
 def run_bench(args) -> int:
     """Per set: build its environment with the bench extras and run tests/benchmarks into <set>.json;
     then render the report and the plots from every set's JSON, as ratios against the baseline set."""
+    check_folder_option("--results", args.results)
     sets = _selected(args)
     baseline = args.baseline or sets[0].name
     if baseline not in [vset.name for vset in sets]:
@@ -190,6 +191,7 @@ def run_bench(args) -> int:
 
 
 def run_wheelhouse(args) -> int:
+    check_folder_option("--dest", args.dest)
     platforms = args.platforms or wheelhouse.MANYLINUX_X86_64
     manifest = wheelhouse.build(_selected(args), args.dest, args.python_version, platforms, args.cuda, args.host_freeze)
     for name, entry in manifest["sets"].items():
@@ -217,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             print(refresh_latest())
             return 0
         if args.command == "bisect":
+            if args.output:
+                check_file_option("--output", args.output)
             return bisect.run(args)
         if args.command == "gate":
             check_folder_option("--output", args.output)

@@ -211,3 +211,21 @@ def test_refresh_latest_without_a_latest_set(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "refresh_latest", functools.partial(versions.refresh_latest, sets_file))
     line = one_usage_line(cli.main(["refresh-latest"]), capsys)
     assert line == f"stackcheck: {sets_file} has no [sets.latest] table to refresh"
+
+
+WRONG_KIND = [
+    (["bench", "--sets", "seed", "--smoke", "--results"], "file", "--results {} is a file; name a folder"),
+    (["wheelhouse", "--sets", "seed", "--dest"], "file", "--dest {} is a file; name a folder"),
+    (["bisect", "accelerate", "--good", "1.15.0", "--bad", "1.13.0", "--family", "params4bit_kwargs", "--output"], "folder",
+     "--output {} is a folder; name the file to write"),
+]
+
+
+@pytest.mark.parametrize("argv, kind, message", WRONG_KIND, ids=[f"{argv[0]} {argv[-1]}" for argv, _, _ in WRONG_KIND])
+def test_a_path_option_of_the_wrong_kind_fails_before_any_build(argv, kind, message, tmp_path, capsys, no_environments):
+    path = tmp_path / "given"
+    if kind == "folder":
+        path.mkdir()
+    else:
+        path.write_text("")
+    assert one_usage_line(cli.main([*argv, str(path)]), capsys) == "stackcheck: " + message.format(path)
