@@ -1,5 +1,6 @@
 """User mistakes end in one line on stderr, `stackcheck: <message>`, and exit code 2, never in a traceback,
-and before any environment is built."""
+and before any environment is built; path options are absolute from the start; an environment that cannot
+report its versions counts as unbuildable. Fast: no network, no environment."""
 
 import functools
 import json
