@@ -10,8 +10,13 @@ slowdown) written by stackcheck.bench_plugin.
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass
+from numbers import Real
+from pathlib import Path
+
+from stackcheck.versions import UsageError
 
 # The test-only switch read by stackcheck.bench.timed; see stackcheck.bench.synthetic_slowdown.
 SYNTHETIC_SLOWDOWN_ENV = "STACKCHECK_BENCH_SYNTHETIC_SLOWDOWN"
@@ -53,6 +58,49 @@ def device_kind(run: dict) -> str:
 
 def coefficient_of_variation(values: list[float]) -> float:
     return statistics.stdev(values) / statistics.mean(values)
+
+
+# What summarize and bench_report read from a bench JSON with no default to fall back on.
+ENTRY_KEYS = {"stats": ("median", "iqr"), "extra_info": ("size", "case", "phase", "tokens", "parameters", "weights")}
+NOT_MEASURED_KEYS = ("size", "case", "phase", "reason")
+
+
+def load(path: Path) -> dict:
+    """A bench JSON from disk, checked for everything summarize and the report read; a usage error names the file."""
+    try:
+        run = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}") from None
+    problem = _shape_problem(run)
+    if problem:
+        raise UsageError(f"{path} is not a stackcheck bench JSON: {problem}")
+    return run
+
+
+def _shape_problem(run) -> str | None:
+    if not isinstance(run, dict) or not isinstance(run.get("benchmarks"), list):
+        return "it has no `benchmarks` list"
+    meta = run.get("stackcheck", {})
+    if not (isinstance(meta, dict) and all(isinstance(meta.get(key) or {}, dict) for key in ("versions", "bandwidth"))):
+        return "`stackcheck`, or its `versions` or `bandwidth`, is not an object"
+    skipped = meta.get("not_measured", [])
+    if not (isinstance(skipped, list) and all(_has(item, NOT_MEASURED_KEYS) for item in skipped)):
+        return f"`stackcheck.not_measured` is not a list of objects with {', '.join(NOT_MEASURED_KEYS)}"
+    for index, entry in enumerate(run["benchmarks"]):
+        if not (isinstance(entry, dict) and all(_has(entry.get(block), keys) for block, keys in ENTRY_KEYS.items())):
+            return f"benchmark {index} has no " + " and ".join(f"`{b}` with {', '.join(k)}" for b, k in ENTRY_KEYS.items())
+        stats, info = entry["stats"], entry["extra_info"]
+        if not (all(isinstance(value, Real) for value in (stats["median"], stats["iqr"], info["tokens"])) and stats["median"] > 0):
+            return f"benchmark {index}: its median (> 0), iqr and tokens are not all numbers"
+        weights = info["weights"]
+        if not (isinstance(info.get("memory", {}), dict) and _has(weights, ("expected", "stored"))
+                and isinstance(weights["expected"], dict) and isinstance(weights["stored"], dict)):
+            return f"benchmark {index}: its `memory`, or its `weights` with `expected` and `stored`, is not an object"
+    return None
+
+
+def _has(value, keys) -> bool:
+    return isinstance(value, dict) and all(key in value for key in keys)
 
 
 def summarize(run: dict) -> dict[str, dict]:

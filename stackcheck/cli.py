@@ -3,18 +3,35 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, bench_report, bisect, envs, gate, results, wheelhouse
-from stackcheck.ledger import LedgerError
+from stackcheck import REPO_ROOT, bench_compare, bench_report, bisect, envs, gate, results, wheelhouse
 from stackcheck.lane import CPU_LANE, bench_set, check_ledger, record_unbuildable, run_pytest
+from stackcheck.ledger import LedgerError
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
 
 DEFAULT_RESULTS = REPO_ROOT / "results" / "matrix.json"
 BENCH_RESULTS = REPO_ROOT / "results" / "bench"
+
+
+def absolute_path(text: str) -> Path:
+    """The `type` of every path option: pytest runs from the repository root, so a path relative to the
+    caller's directory must be made absolute before it reaches it."""
+    return Path(text).expanduser().resolve()
+
+
+def check_file_option(option: str, path: Path) -> None:
+    """An option naming a file to write: refused up front when a folder is in the way."""
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a folder; name the file to write")
+
+
+def check_folder_option(option: str, path: Path) -> None:
+    """An option naming a folder to write into: refused up front when a file is in the way."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {path} is a file; name a folder")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, what in (("matrix", "the CPU lane of every family"), ("gpu-matrix", "the GPU and CPU lanes of every family")):
         matrix = commands.add_parser(name, help=f"run {what} on each set and write the report")
         add_set_options(matrix, many=True)
-        matrix.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="matrix.json to write")
+        matrix.add_argument("--results", type=absolute_path, default=DEFAULT_RESULTS, help="matrix.json to write")
         matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
 
     tests = commands.add_parser("tests", help="the harness's own tests plus the CPU lane on one set")
@@ -45,11 +62,11 @@ def _parser() -> argparse.ArgumentParser:
 
     house = commands.add_parser("wheelhouse", help="download the wheels the sets need, for an offline target")
     add_set_options(house, many=True)
-    house.add_argument("--dest", type=Path, default=REPO_ROOT / "wheelhouse", help="folder to fill")
+    house.add_argument("--dest", type=absolute_path, default=REPO_ROOT / "wheelhouse", help="folder to fill")
     house.add_argument("--python-version", default="3.12", help="the target's Python (default: 3.12)")
     house.add_argument("--platform", dest="platforms", action="append", help="wheel platform tag (default: manylinux x86-64)")
     house.add_argument("--cuda", help="keep only this CUDA build of the bitsandbytes binaries, e.g. 130 for CUDA 13.0")
-    house.add_argument("--host-freeze", type=Path, help="the target's `pip list --format=freeze`: leave out what it has")
+    house.add_argument("--host-freeze", type=absolute_path, help="the target's `pip list --format=freeze`: leave out what it has")
 
     bench = commands.add_parser("bench", help="VRAM and tokens/s of each set, as ratios against a baseline set")
     add_set_options(bench, many=True)
@@ -58,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--smoke", action="store_true", help="few tokens and rounds; runs on the CPU when there is no GPU")
     bench.add_argument("--repeat", type=int, default=0, metavar="N",
                        help="measure the 4-bit decode N more times (N >= 2) in each mode, eager and graph, and report its coefficient of variation")
-    bench.add_argument("--results", type=Path, default=BENCH_RESULTS,
+    bench.add_argument("--results", type=absolute_path, default=BENCH_RESULTS,
                        help="folder for <set>.json and the plots; the report is FOLDER.md (default: results/bench)")
     bench.add_argument("--render-only", action="store_true", help="measure nothing: render bench.md from the JSON in --results")
     bench.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
@@ -75,20 +92,20 @@ def _parser() -> argparse.ArgumentParser:
     add_set_options(bisect, many=False)
     bisect.add_argument("--candidates", help="comma-separated releases to search instead of the package index's")
     bisect.add_argument("--pre", action="store_true", help="include pre-releases from the package index")
-    bisect.add_argument("--git", type=Path, metavar="CLONE", help="search the commits of a local clone between --good and --bad")
-    bisect.add_argument("--output", type=Path, help="json to write (default: results/bisect-<package>-<family>.json)")
+    bisect.add_argument("--git", type=absolute_path, metavar="CLONE", help="search the commits of a local clone between --good and --bad")
+    bisect.add_argument("--output", type=absolute_path, help="json to write (default: results/bisect-<package>-<family>.json)")
 
     gate = commands.add_parser("gate", help="fail when a candidate set regresses a family against a baseline set")
     add_set_options(gate, many=False)  # --set is the baseline; --with bumps the candidate
     gate.add_argument("--candidate", help="candidate set name (default: the baseline set, with the --with pins)")
     gate.add_argument("--families", help="comma-separated families (default: all)")
-    gate.add_argument("--output", type=Path, default=REPO_ROOT / "results" / "gate", help="folder for matrix.json and summary.md")
+    gate.add_argument("--output", type=absolute_path, default=REPO_ROOT / "results" / "gate", help="folder for matrix.json and summary.md")
     gate.add_argument("--bench", choices=("smoke", "tiny", "realistic", "all"),
                       help="also compare the bench of both sets as ratios (smoke runs on the CPU)")
 
     merge = commands.add_parser("merge", help="merge per-job matrix.json files into one matrix.json and matrix.md")
-    merge.add_argument("inputs", nargs="+", type=Path, help="matrix.json files")
-    merge.add_argument("--output", type=Path, default=DEFAULT_RESULTS, help="merged matrix.json to write")
+    merge.add_argument("inputs", nargs="+", type=absolute_path, help="matrix.json files")
+    merge.add_argument("--output", type=absolute_path, default=DEFAULT_RESULTS, help="merged matrix.json to write")
     return parser
 
 
@@ -101,6 +118,9 @@ def _selected(args) -> list[VersionSet]:
 
 def run_matrix(args) -> int:
     """`matrix` runs the CPU lane; `gpu-matrix` both lanes, and fails when no GPU cell really ran."""
+    check_file_option("--results", args.results)
+    if args.results.exists():
+        results.load_checked(args.results)  # the sets record into it: a corrupt one would fail only after a build
     gpu = args.command == "gpu-matrix"
     if gpu:
         print(f"== device: {envs.cuda_device()}", flush=True)
@@ -114,11 +134,11 @@ def run_matrix(args) -> int:
         print(f"== set {vset.name}: {', '.join(f'{k} {v}' for k, v in vset.pins.items())}", flush=True)
         try:
             python = envs.build(vset, args.find_links, args.no_index)
+            print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
         except envs.EnvBuildError as exc:
             record_unbuildable(args.results, vset, str(exc))
             failed.append(vset.name)
             continue
-        print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
         results.forget_cells(args.results, vset.name, lanes)  # a re-run replaces the set's cells in these lanes
         lane_started = time.monotonic()
         selection = [] if gpu else [CPU_LANE]
@@ -141,13 +161,14 @@ def run_matrix(args) -> int:
 def run_tests(args) -> int:
     (vset,) = _selected(args)
     python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
-    print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
+    print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
     return run_pytest(python, vset, ["tests"], args.pytest_args, None)
 
 
 def run_bench(args) -> int:
     """Per set: build its environment with the bench extras and run tests/benchmarks into <set>.json;
     then render the report and the plots from every set's JSON, as ratios against the baseline set."""
+    check_folder_option("--results", args.results)
     sets = _selected(args)
     baseline = args.baseline or sets[0].name
     if baseline not in [vset.name for vset in sets]:
@@ -157,16 +178,15 @@ def run_bench(args) -> int:
     size = args.size or ("tiny" if args.smoke else "all")
     if not (args.smoke or args.render_only):
         print(f"== device: {envs.cuda_device()}", flush=True)  # no GPU: one line and exit 2; --smoke runs on the CPU
-    results_dir = args.results.resolve()
-    results_dir.mkdir(parents=True, exist_ok=True)
+    args.results.mkdir(parents=True, exist_ok=True)
     failed = [] if args.render_only else [v.name for v in sets if not bench_set(
-        v, size, results_dir, args.find_links, args.no_index, args.repeat, args.smoke, args.pytest_args)]
-    runs = {vset.name: json.loads(path.read_text()) for vset in sets if (path := results_dir / f"{vset.slug}.json").exists()}
+        v, size, args.results, args.find_links, args.no_index, args.repeat, args.smoke, args.pytest_args)]
+    runs = {vset.name: bench_compare.load(path) for vset in sets if (path := args.results / f"{vset.slug}.json").exists()}
     if baseline not in runs:
-        print(f"stackcheck: no bench results for the baseline set '{baseline}' in {results_dir}", file=sys.stderr)
+        print(f"stackcheck: no bench results for the baseline set '{baseline}' in {args.results}", file=sys.stderr)
         return 1
-    markdown = results_dir.with_suffix(".md")
-    for note in bench_report.render(runs, baseline, markdown, results_dir):
+    markdown = args.results.with_suffix(".md")
+    for note in bench_report.render(runs, baseline, markdown, args.results):
         print(f"stackcheck: {note}", file=sys.stderr)
     print(f"wrote {markdown}")
     if failed:
@@ -175,6 +195,7 @@ def run_bench(args) -> int:
 
 
 def run_wheelhouse(args) -> int:
+    check_folder_option("--dest", args.dest)
     platforms = args.platforms or wheelhouse.MANYLINUX_X86_64
     manifest = wheelhouse.build(_selected(args), args.dest, args.python_version, platforms, args.cuda, args.host_freeze)
     for name, entry in manifest["sets"].items():
@@ -202,10 +223,14 @@ def main(argv: list[str] | None = None) -> int:
             print(refresh_latest())
             return 0
         if args.command == "bisect":
+            if args.output:
+                check_file_option("--output", args.output)
             return bisect.run(args)
         if args.command == "gate":
+            check_folder_option("--output", args.output)
             return gate.run(args)
         if args.command == "merge":
+            check_file_option("--output", args.output)
             merged = results.merge_files(args.inputs, args.output)
             print(f"merged {len(args.inputs)} files ({len(merged['sets'])} sets, {len(merged['cells'])} cells) "
                   f"into {args.output} and {args.output.with_suffix('.md')}")

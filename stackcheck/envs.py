@@ -119,10 +119,15 @@ def cuda_device() -> str:
     return torch.cuda.get_device_name(0)
 
 
-def versions_in(python: Path) -> str:
-    """The versions the environment really has, printed first by every session."""
+def versions_in(python: Path, vset: VersionSet) -> str:
+    """The versions the environment really has, printed first by every session. An environment that cannot
+    report them (its torch does not import) is as unusable as one that was not built: EnvBuildError."""
     code = "from stackcheck.plugin import installed_versions as v; print(', '.join(f'{k} {x}' for k, x in v().items()))"
-    return subprocess.run(
-        [str(python), "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT,
+    completed = subprocess.run(
+        [str(python), "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
         env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
-    ).stdout.strip()
+    )
+    if completed.returncode != 0:
+        why = (completed.stderr.strip().splitlines() or [f"exit code {completed.returncode}"])[-1]
+        raise EnvBuildError(f"the environment of set {vset.name} ({python}) cannot report its versions: {why}")
+    return completed.stdout.strip()

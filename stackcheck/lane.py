@@ -49,11 +49,11 @@ def bench_set(vset: VersionSet, size: str, results_dir: Path, find_links=(), no_
     output = results_dir / f"{vset.slug}.json"
     try:
         python = envs.build(vset, find_links, no_index, groups=envs.BENCH_GROUPS)
+        print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
     except envs.EnvBuildError as exc:
         output.unlink(missing_ok=True)  # the set is missing from this run's report, not shown with old numbers
         print(f"stackcheck: set {vset.name}: environment not built: {exc}", file=sys.stderr)
         return False
-    print(f"== set {vset.name} installed: {envs.versions_in(python)}", flush=True)
     output.unlink(missing_ok=True)  # a report never mixes this run with an older one
     options = ["-q", "-m", "benchmark", f"--benchmark-json={output}", f"--stackcheck-bench-size={size}",
                f"--stackcheck-bench-repeat={repeat}", *(["--stackcheck-bench-smoke"] if smoke else [])]
@@ -85,6 +85,7 @@ def one_test(node_id: str) -> tuple[str, str]:
 def run(vset: VersionSet, targets: list[str], results_path: Path, find_links=(), no_index: bool = False) -> list[dict]:
     """Run `targets` for `vset` into results_path and return its cells. An environment that cannot be
     built gets an `error` cell in every family instead, as in the matrix."""
+    check_ledger()
     try:
         python = envs.build(vset, find_links, no_index)
     except envs.EnvBuildError as exc:

@@ -151,12 +151,7 @@ def merge_files(inputs: list[Path], output: Path) -> dict:
     or the merge run again, changes nothing."""
     merged = empty()
     for path in inputs:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"cannot read {path}: {exc}") from None
-        if not isinstance(data, dict) or not {"sets", "cells"} <= data.keys():
-            raise UsageError(f"{path} is not a stackcheck matrix.json")
+        data = load_checked(path)
         data.setdefault("fingerprint", None)  # a file from before fingerprints never merges with one after
         try:
             merge_into(merged, data)
@@ -164,6 +159,45 @@ def merge_files(inputs: list[Path], output: Path) -> dict:
             raise UsageError(f"cannot merge {path}: {exc}") from None
     save(output, merged)
     return merged
+
+
+def load_checked(path: Path) -> dict:
+    """A matrix.json from outside this run, checked for everything merge_into and render_markdown read."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}") from None
+    problem = _shape_problem(data)
+    if problem:
+        raise UsageError(f"{path} is not a stackcheck matrix.json: {problem}")
+    return data
+
+
+def _shape_problem(data) -> str | None:
+    if not isinstance(data, dict) or not {"sets", "cells"} <= data.keys():
+        return "it has no `sets` and `cells`"
+    if not isinstance(data["sets"], dict):
+        return "`sets` is not an object"
+    for name, entry in data["sets"].items():
+        if not isinstance(entry, dict) or not all(isinstance(v, str) for k, v in entry.items() if k != "platform"):
+            return f"set '{name}' is not an object of version strings"
+        if not isinstance(entry.get("platform", {}), dict):
+            return f"set '{name}': `platform` is not an object"
+    if not isinstance(data["cells"], list):
+        return "`cells` is not a list"
+    required = [key for key in CELL_KEYS if key not in ("signature", "bug", "note")]  # None where no bug matched, or absent in older files
+    texts = [key for key in required if key != "seconds"]
+    for index, cell in enumerate(data["cells"]):
+        if not isinstance(cell, dict):
+            return f"cell {index} is not an object"
+        missing = [key for key in required if key not in cell]
+        if missing:
+            return f"cell {index} has no {', '.join(missing)}"
+        if not all(isinstance(cell[key], str) for key in texts) or not isinstance(cell["seconds"], (int, float)):
+            return f"cell {index}: {', '.join(texts)} must be strings and seconds a number"
+        if cell["verdict"] not in SEVERITY:
+            return f"cell {index}: unknown verdict '{cell['verdict']}' (verdicts: {', '.join(SEVERITY)})"
+    return None
 
 
 def worst(verdicts: list[str]) -> str:

@@ -138,6 +138,8 @@ def index_versions(package: str, pre: bool = False) -> list[Version]:
 def refresh_latest(path: Path = SETS_FILE) -> dict[str, str]:
     """Rewrite the `latest` pins with the newest releases the package index offers."""
     text = path.read_text()
+    if "[sets.latest]" not in text:  # checked before the package index is asked anything
+        raise UsageError(f"{path} has no [sets.latest] table to refresh")
     newest = {package: str(index_versions(package)[-1]) for package in LIBRARIES}
     head, latest = text.split("[sets.latest]", 1)
     for package, version in newest.items():

@@ -25,7 +25,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name, parse_wheel_filename
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from stackcheck.envs import BENCH_GROUPS, EnvBuildError, test_requirements
 from stackcheck.versions import UsageError, VersionSet
@@ -46,10 +46,13 @@ def target_markers(python_version: str) -> dict[str, str]:
 
 def read_freeze(path: Path) -> dict[str, Version]:
     versions = {}
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         match = re.match(r"^([A-Za-z0-9_.-]+)==([^\s;#]+)", line.strip())
         if match:
-            versions[canonicalize_name(match.group(1))] = Version(match.group(2))
+            try:
+                versions[canonicalize_name(match.group(1))] = Version(match.group(2))
+            except InvalidVersion:
+                raise UsageError(f"{path}, line {number}: '{line.strip()}': '{match.group(2)}' is not a valid version") from None
     return versions
 
 

@@ -36,7 +36,7 @@ def run_bench(out: Path, *arguments: str, env: dict | None = None) -> dict:
         cwd=REPO_ROOT, env=dict(os.environ, **(env or {})), capture_output=True, text=True, check=False,
     )
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
-    return json.loads(out.read_text())
+    return bench_compare.load(out)  # also proves a real run passes the shape check
 
 
 @pytest.fixture(scope="module")
