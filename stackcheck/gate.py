@@ -16,12 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from stackcheck import REPO_ROOT, bench_compare, lane, results
-from stackcheck.ledger import ERROR, FIXED, NEW_FAILURE, PASS
+from stackcheck.ledger import ERROR, FIXED, NEW_FAILURE, NOT_AFFECTED, PASS
 from stackcheck.versions import PACKAGES, UsageError, default_set, resolve
 
 DEFAULT_OUTPUT = REPO_ROOT / "results" / "gate"
 REGRESSION, IMPROVEMENT, CHANGE, SAME = "regression", "improvement", "change", "same"
-PASSING = (PASS, FIXED)  # `fixed` passed too; the ledger only expected a bug there
+PASSING = (PASS, FIXED, NOT_AFFECTED)  # `fixed` passed too (the ledger only expected a bug there); `not_affected` has no bug
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,15 @@ def _cells_by_family(data: dict) -> dict[str, list[dict]]:
 
 
 def _label(cells: list[dict]) -> str:
+    """The worst verdict with its bugs, and when the cells differ, every verdict's count (skips included)."""
     verdict = results.worst([c["verdict"] for c in cells])
     bugs = sorted({c["bug"] for c in cells if c["verdict"] == verdict and c.get("bug")})
-    return verdict + (f" ({', '.join(bugs)})" if bugs else "")
+    counts = f" [{results.summary_counts(cells)}]" if len({c["verdict"] for c in cells}) > 1 else ""
+    return verdict + (f" ({', '.join(bugs)})" if bugs else "") + counts
+
+
+def _describe(cell: dict) -> str:
+    return " ".join(part for part in (f"`{cell['test']}`: {cell['verdict']}", cell.get("signature"), cell.get("note") and f"({cell['note']})") if part)
 
 
 def family_verdicts(baseline: dict, candidate: dict) -> list[Finding]:
@@ -61,11 +67,12 @@ def family_verdicts(baseline: dict, candidate: dict) -> list[Finding]:
         new_passes = bool(new) and results.worst([c["verdict"] for c in new]) in PASSING
         if broken or not new or (old_passes and not new_passes):
             status = REGRESSION
-            detail = "; ".join(f"`{c['test']}`: {c['verdict']} {c.get('signature') or ''}".strip() for c in broken or new)
+            detail = "; ".join(_describe(c) for c in broken or new)
         elif new_passes and not old_passes:
             status, detail = IMPROVEMENT, "fixed"
         else:
-            status, detail = (SAME if old_label == new_label else CHANGE), ""
+            status = SAME if old_label == new_label else CHANGE
+            detail = "; ".join(_describe(c) for c in new if c["verdict"] not in PASSING and c.get("note"))
         findings.append(Finding("families", family, old_label, new_label, status, detail))
     return findings
 

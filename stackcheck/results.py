@@ -226,8 +226,9 @@ def render_markdown(data: dict, ledger: Ledger | None = None) -> str:
               "AVX512-BF16 packed 4-bit CPU kernel):", ""]
     lines += ["| set | " + " | ".join(PLATFORM_COLUMNS) + " |", "|---" * (len(PLATFORM_COLUMNS) + 1) + "|"]
     for name in sets:
-        platform = data["sets"][name].get("platform") or {}
-        lines.append(f"| {name} | " + " | ".join(_escape(platform.get(k, "not recorded")) for k in PLATFORM_COLUMNS) + " |")
+        platform = data["sets"][name].get("platform")
+        facts = [platform.get(k, "n/a") for k in PLATFORM_COLUMNS] if platform else ["not recorded"] * len(PLATFORM_COLUMNS)
+        lines.append(f"| {name} | " + " | ".join(_escape(fact) for fact in facts) + " |")
     columns = [(name, lane) for name in sets for lane in LANES if any(c["set"] == name and c["lane"] == lane for c in data["cells"])]
     lines += ["", "| family | " + " | ".join(f"{name} ({lane})" for name, lane in columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for family in families:

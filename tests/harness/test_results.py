@@ -1,6 +1,7 @@
 """matrix.json is written cell by cell, merges idempotently, and renders matrix.md from the same data."""
 
 import json
+import os
 
 import pytest
 
@@ -90,3 +91,55 @@ def test_recording_over_results_of_other_definitions_moves_them_aside(tmp_path):
     results.record_set(path, "latest", VERSIONS)
     assert set(json.loads(path.read_text())["sets"]) == {"latest"}
     assert json.loads((tmp_path / f"matrix.stale-{'0' * 16}.json").read_text())["cells"][0]["test"] == "t1"
+
+
+PLATFORM = {"os": "Linux-6", "cpu": "Xeon", "cpu_flags": "avx2 avx512f avx512_bf16", "torch_cpu_capability": "AVX512",
+            "bnb_cpu_packed_path": "taken", "gpu": "none"}
+
+
+def test_a_set_recorded_with_new_pins_or_platform_loses_every_lanes_old_cells(tmp_path, capsys):
+    """After refresh-latest (new pins) or on another machine, no GPU cell stays listed under the new set."""
+    path = tmp_path / "matrix.json"
+    results.record_set(path, "seed", VERSIONS, PLATFORM)
+    results.record_cells(path, [cell("t[cpu]", "pass"), dict(cell("t[gpu]", "pass"), lane="gpu")])
+    results.record_set(path, "seed", VERSIONS, PLATFORM)  # the same pins and platform keep them
+    assert len(results.load(path)["cells"]) == 2
+    results.record_set(path, "seed", dict(VERSIONS, transformers="5.23.0"), PLATFORM)
+    assert results.load(path)["cells"] == [] and "2 earlier cells are dropped" in capsys.readouterr().err
+    results.record_cells(path, [cell("t[cpu]", "pass")])
+    results.record_set(path, "seed", dict(VERSIONS, transformers="5.23.0"), dict(PLATFORM, bnb_cpu_packed_path="not taken"))
+    assert results.load(path)["cells"] == []
+
+
+def test_cells_of_a_run_whose_file_was_taken_over_follow_its_earlier_cells(tmp_path):
+    """A concurrent run of other definitions moved this run's file aside: later cells go there, not into theirs."""
+    path = tmp_path / "matrix.json"
+    results.record_set(path, "seed", VERSIONS)
+    ours = results.fingerprint()
+    results.record_cells(path, [cell("t1", "pass")], ours)
+    results.write_json(path, {"fingerprint": "f" * 16, "sets": {"latest": VERSIONS}, "cells": []})  # the other run
+    os.replace(path, tmp_path / "other.json")
+    results.write_json(results.stale_path(path, ours), results.load(tmp_path / "other.json") | {"fingerprint": ours})
+    results.write_json(path, {"fingerprint": "f" * 16, "sets": {"latest": VERSIONS}, "cells": []})
+    results.record_cells(path, [cell("t2", "pass")], ours)
+    assert results.load(path)["cells"] == []
+    assert [c["test"] for c in results.load(results.stale_path(path, ours))["cells"]] == ["t2"]
+
+
+def test_report_hides_nothing(tmp_path):
+    """fixed outranks known_bug, skipped and missing cells show, each cell's note and the platform reach matrix.md."""
+    path = tmp_path / "matrix.json"
+    results.record_set(path, "seed", VERSIONS, PLATFORM)
+    results.record_cells(path, [
+        cell("a", "known_bug", bug="shared_kv_redispatch"),
+        dict(cell("b", "fixed", bug="shared_kv_redispatch"), note="passes although the ledger says these versions have it"),
+        dict(cell("c", "skipped"), note="depends on the CPU", family="bnb_cpu_packed_width"),
+        dict(cell("d", "pass"), family="merge_parity", lane="gpu"),
+    ])
+    markdown = path.with_suffix(".md").read_text()
+    assert "| shared_kv_redispatch | **missing** | **fixed** [shared_kv_redispatch](" in markdown
+    assert "(1 fixed, 1 known_bug)" in markdown
+    assert "| merge_parity | **pass** (1 pass) | **missing** |" in markdown  # ran in the GPU lane only
+    assert "| bnb_cpu_packed_width | **missing** | **skipped** (1 skipped) |" in markdown
+    assert "passes although the ledger says these versions have it" in markdown and "depends on the CPU" in markdown
+    assert "| seed | Xeon | avx2 avx512f avx512_bf16 | taken | AVX512 | none | n/a | n/a | Linux-6 |" in markdown
