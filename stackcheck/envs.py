@@ -12,7 +12,6 @@ import glob
 import importlib.util
 import os
 import shutil
-import site
 import subprocess
 import sys
 import tomllib
@@ -104,7 +103,10 @@ def inherit_host_site_packages(python: Path) -> None:
         [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()
-    host = [path for path in site.getsitepackages() if os.path.isdir(path)]
+    # sys.path, not site.getsitepackages(): when the running interpreter is itself such an environment (the
+    # harness tests on a GPU host), the host's site-packages reach it through its own .pth, which a .pth
+    # listing only its site-packages would not follow.
+    host = [path for path in sys.path if os.path.isdir(path) and Path(path).name in ("site-packages", "dist-packages")]
     Path(purelib, "_stackcheck_host.pth").write_text("\n".join(host) + "\n")
 
 
