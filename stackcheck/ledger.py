@@ -262,8 +262,10 @@ class Ledger:
             return Judgement(PASS)
         signature = failure.signature()
         if failure.not_reached:
-            if candidates and all(bug.predates(versions) for bug in candidates):
-                bugs = "; ".join(f"{bug.id} needs {bug.describe_range()}" for bug in candidates)
+            # A test no bug applies to (a control) stands or falls with its family's scenario.
+            pool = candidates or [bug for bug, _patterns in self.families[family].bugs]
+            if pool and all(bug.predates(versions) for bug in pool):
+                bugs = "; ".join(f"{bug.id} needs {bug.describe_range()}" for bug in pool)
                 return Judgement(NOT_AFFECTED, None, signature, f"these versions predate the bug: {bugs}")
             return Judgement(ERROR, signature=signature, note="scenario not reached")
         for bug in candidates:

@@ -5,7 +5,7 @@ green while a known bug reproduces and turns red on a new failure, an unreached 
 that passes where the ledger says it should not (`fixed`: update the ledger).
 
 Every family test runs in two lanes, `[cpu]` and `[gpu]`; a test marked `gpu` runs in the GPU lane only,
-one marked `cpu` in the CPU lane only. `--stackcheck-lanes` chooses the lanes a run holds. The lane
+one marked `cpu` is skipped in the GPU lane (a visible cell, with the reason). `--stackcheck-lanes` chooses the lanes a run holds. The lane
 decides `scenario.main_device()`, so the CPU lane means the same on a GPU host as in CI.
 
 No cell vanishes: when collection finishes, every expected cell is recorded as lost, and each verdict
@@ -117,12 +117,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if family_of(metafunc.definition.nodeid) is None:
         return
     gpu_lane = pytest.param("gpu", marks=pytest.mark.gpu)
-    if metafunc.definition.get_closest_marker("gpu"):
-        lanes = [gpu_lane]
-    elif metafunc.definition.get_closest_marker("cpu"):
-        lanes = ["cpu"]
-    else:
-        lanes = ["cpu", gpu_lane]
+    lanes = [gpu_lane] if metafunc.definition.get_closest_marker("gpu") else ["cpu", gpu_lane]
     metafunc.parametrize("lane", lanes, indirect=True)
 
 
@@ -132,6 +127,8 @@ def lane(request: pytest.FixtureRequest):
     import torch
 
     name = getattr(request, "param", "cpu")
+    if name == "gpu" and request.node.get_closest_marker("cpu"):
+        pytest.skip("GPU lane: the test is about a CPU code path")
     if name == "gpu" and not torch.cuda.is_available():
         pytest.skip("GPU lane: torch sees no CUDA device")
     scenario.use_lane(name)
