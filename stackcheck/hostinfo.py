@@ -15,18 +15,15 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
 def _cpuinfo() -> tuple[str, set[str]]:
-    model, flags = platform.processor() or platform.machine(), set()
+    """(model, flags) of the first CPU in /proc/cpuinfo; elsewhere what `platform` knows, and no flags."""
+    fields: dict[str, str] = {}
     cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-            if flags and model:
-                break
-    return model, flags
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        if not line.strip():
+            break  # the end of the first CPU's block
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields.get("model name") or platform.processor() or platform.machine(), set(fields.get("flags", "").split())
 
 
 def bnb_cpu_packed_path() -> str:
