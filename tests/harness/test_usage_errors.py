@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from stackcheck import REPO_ROOT, cli, envs, versions, wheelhouse
+from stackcheck import REPO_ROOT, cli, envs, lane, ledger, versions, wheelhouse
 from stackcheck.versions import UsageError, resolve
 
 PATH_OPTIONS = [
@@ -230,3 +230,10 @@ def test_a_path_option_of_the_wrong_kind_fails_before_any_build(argv, kind, mess
     else:
         path.write_text("")
     assert one_usage_line(cli.main([*argv, str(path)]), capsys) == "stackcheck: " + message.format(path)
+
+
+@pytest.mark.parametrize("command", [["matrix", "--sets", "seed"], ["gate", "--with", "accelerate==1.14.0"]])
+def test_a_family_module_without_a_ledger_entry_fails_before_any_build(command, tmp_path, capsys, monkeypatch, no_environments):
+    monkeypatch.setattr(lane, "family_modules", lambda: [*ledger.family_modules(), "new_family"])
+    code = cli.main([*command, "--results" if command[0] == "matrix" else "--output", str(tmp_path / "out")])
+    assert "no entry for family module(s) test_new_family.py" in one_usage_line(code, capsys)
