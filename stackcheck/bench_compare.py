@@ -10,13 +10,12 @@ slowdown) written by stackcheck.bench_plugin.
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from numbers import Real
 from pathlib import Path
 
-from stackcheck.versions import UsageError
+from stackcheck.results import read_checked_json
 
 # The test-only switch read by stackcheck.bench.timed; see stackcheck.bench.synthetic_slowdown.
 SYNTHETIC_SLOWDOWN_ENV = "STACKCHECK_BENCH_SYNTHETIC_SLOWDOWN"
@@ -67,14 +66,7 @@ NOT_MEASURED_KEYS = ("size", "case", "phase", "reason")
 
 def load(path: Path) -> dict:
     """A bench JSON from disk, checked for everything summarize and the report read; a usage error names the file."""
-    try:
-        run = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot read {path}: {exc}") from None
-    problem = _shape_problem(run)
-    if problem:
-        raise UsageError(f"{path} is not a stackcheck bench JSON: {problem}")
-    return run
+    return read_checked_json(path, _shape_problem, "bench JSON")
 
 
 def _shape_problem(run) -> str | None:

@@ -161,16 +161,21 @@ def merge_files(inputs: list[Path], output: Path) -> dict:
     return merged
 
 
-def load_checked(path: Path) -> dict:
-    """A matrix.json from outside this run, checked for everything merge_into and render_markdown read."""
+def read_checked_json(path: Path, shape_problem, kind: str) -> dict:
+    """JSON from disk that `shape_problem(data)` finds nothing wrong with; else a usage error naming the file."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot read {path}: {exc}") from None
-    problem = _shape_problem(data)
+    problem = shape_problem(data)
     if problem:
-        raise UsageError(f"{path} is not a stackcheck matrix.json: {problem}")
+        raise UsageError(f"{path} is not a stackcheck {kind}: {problem}")
     return data
+
+
+def load_checked(path: Path) -> dict:
+    """A matrix.json from outside this run, checked for everything merge_into and render_markdown read."""
+    return read_checked_json(path, _shape_problem, "matrix.json")
 
 
 def _shape_problem(data) -> str | None:
