@@ -26,15 +26,22 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return fields.get("model name") or platform.processor() or platform.machine(), set(fields.get("flags", "").split())
 
 
+def bnb_has_packed_cpu_path() -> bool:
+    """Whether this bitsandbytes has the packed AVX512-BF16 CPU path for 4-bit layers (0.49.0 on)."""
+    import bitsandbytes.functional
+
+    return hasattr(bitsandbytes.functional, "_convert_weight_packed_for_cpu")
+
+
 def bnb_cpu_packed_path() -> str:
     """Whether bitsandbytes' CPU build would repack 4-bit weights for its AVX512-BF16 kernel here."""
     try:
-        import bitsandbytes.functional as bnb_functional
+        import bitsandbytes.functional
     except Exception as exc:  # any import failure: the fact is then "unknown", the run goes on
         return f"unknown (bitsandbytes does not import: {type(exc).__name__})"
-    if not hasattr(bnb_functional, "_convert_weight_packed_for_cpu"):
+    if not bnb_has_packed_cpu_path():
         return "absent in this bitsandbytes"
-    return "taken" if bnb_functional.has_avx512bf16() else "not taken (bitsandbytes reports no avx512_bf16)"
+    return "taken" if bitsandbytes.functional.has_avx512bf16() else "not taken (bitsandbytes reports no avx512_bf16)"
 
 
 def _nvidia_driver() -> str:

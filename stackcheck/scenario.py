@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from stackcheck import tiny
+from stackcheck import hostinfo, tiny
 
 # Chosen so that every greedy step of the tiny base and adapter, 4-bit and bf16, wins by at least 0.69
 # logits (11 bf16 steps at their scale): token comparisons then test the stack, not rounding on a near-tie.
@@ -114,10 +114,8 @@ def pin_portable_cpu_kernel(model: torch.nn.Module) -> None:
     that share this loader test offload and PEFT bugs, so their verdicts must not depend on the CPU;
     the packed path is tested on its own by the `bnb_cpu_packed_width` family. A bitsandbytes that has the
     packed path but not the switch stops the scenario rather than silently choosing per machine."""
-    import bitsandbytes.functional
-
-    if not hasattr(bitsandbytes.functional, "_convert_weight_packed_for_cpu"):
-        return  # this bitsandbytes has no packed CPU path
+    if not hostinfo.bnb_has_packed_cpu_path():
+        return
     for name, layer in linear4bit_modules(model).items():
         require(hasattr(layer, "support_avx512bf16_for_cpu"), f"{name}: this bitsandbytes packs CPU weights with no per-layer switch")
         layer.support_avx512bf16_for_cpu = False

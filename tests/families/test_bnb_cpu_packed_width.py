@@ -29,7 +29,7 @@ import copy
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck import hostinfo, scenario
 
 PACKED_TOLERANCE = 0.02
 # (in_features, out_features): SigLIP-so400m's MLP, and a control whose widths the packed path accepts.
@@ -53,7 +53,7 @@ def quantized_linear4bit(in_features: int, out_features: int):
 def require_packed_path_here() -> None:
     import bitsandbytes.functional
 
-    scenario.require(hasattr(bitsandbytes.functional, "_convert_weight_packed_for_cpu"), "this bitsandbytes has no packed CPU path")
+    scenario.require(hostinfo.bnb_has_packed_cpu_path(), "this bitsandbytes has no packed CPU path")
     if not bitsandbytes.functional.has_avx512bf16():
         pytest.skip("depends on the CPU: bitsandbytes reports no avx512_bf16 here, so 4-bit layers never take its packed path")
 
