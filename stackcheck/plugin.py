@@ -5,8 +5,8 @@ green while a known bug reproduces and turns red on a new failure, an unreached 
 that passes where the ledger says it should not (`fixed`: update the ledger).
 
 Every family test runs in two lanes, `[cpu]` and `[gpu]`; a test marked `gpu` runs in the GPU lane only,
-one marked `cpu` is skipped in the GPU lane (a visible cell, with the reason). `--stackcheck-lanes` chooses the lanes a run holds. The lane
-decides `scenario.main_device()`, so the CPU lane means the same on a GPU host as in CI.
+one marked `cpu` is skipped in the GPU lane (a visible cell, with the reason). `--stackcheck-lanes` chooses
+the lanes a run holds. The lane decides `scenario.main_device()`, so the CPU lane means the same on a GPU host as in CI.
 
 No cell vanishes: when collection finishes, every expected cell is recorded as lost, and each verdict
 replaces its placeholder as it comes. A crashed worker or process leaves its cells as `error` (cell lost);
@@ -35,7 +35,6 @@ from stackcheck.versions import PACKAGES
 
 CELL_KEY = "stackcheck_cell"
 WORKER_GPU_KEY = "stackcheck_cuda_visible_devices"
-LANES = ("cpu", "gpu")
 
 
 def installed_versions() -> dict[str, str]:
@@ -66,7 +65,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("stackcheck")
     group.addoption("--stackcheck-set", default="local", help="name of the version set under test")
     group.addoption("--stackcheck-results", default=None, help="matrix.json to record each cell in")
-    group.addoption("--stackcheck-lanes", default=",".join(LANES), help="comma-separated lanes to run (cpu, gpu)")
+    group.addoption("--stackcheck-lanes", default=",".join(results.LANES), help="comma-separated lanes to run (cpu, gpu)")
 
 
 def visible_gpus() -> list[str]:
@@ -96,8 +95,8 @@ def pytest_configure(config: pytest.Config) -> None:
     for family in config.stackcheck_ledger.families.values():
         config.addinivalue_line("markers", f"{family.id}: {family.title}")
     config.stackcheck_lanes = [lane for lane in config.getoption("--stackcheck-lanes").split(",") if lane]
-    if not set(config.stackcheck_lanes) <= set(LANES):
-        raise pytest.UsageError(f"--stackcheck-lanes: unknown lane in {config.stackcheck_lanes} (lanes: {', '.join(LANES)})")
+    if not set(config.stackcheck_lanes) <= set(results.LANES):
+        raise pytest.UsageError(f"--stackcheck-lanes: unknown lane in {config.stackcheck_lanes} (lanes: {', '.join(results.LANES)})")
     config.stackcheck_versions = installed_versions()
     config.stackcheck_platform = hostinfo.platform_facts()
     path = config.getoption("--stackcheck-results")
