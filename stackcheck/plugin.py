@@ -5,7 +5,8 @@ green while a known bug reproduces and turns red on a new failure, an unreached 
 that passes where the ledger says it should not (`fixed`: update the ledger).
 
 Every family test runs in two lanes, `[cpu]` and `[gpu]`; a test marked `gpu` runs in the GPU lane only,
-one marked `cpu` is skipped in the GPU lane (a visible cell, with the reason). `--stackcheck-lanes` chooses
+one marked `cpu` is skipped in the GPU lane (a visible cell, with the reason), and so is one marked `gpus(n)`
+on a host with fewer GPUs. `--stackcheck-lanes` chooses
 the lanes a run holds. The lane decides `scenario.main_device()`, so the CPU lane means the same on a GPU host as in CI.
 
 No cell vanishes: when collection finishes, every expected cell is recorded as lost, and each verdict
@@ -130,6 +131,8 @@ def lane(request: pytest.FixtureRequest):
         pytest.skip("GPU lane: the test is about a CPU code path")
     if name == "gpu" and not torch.cuda.is_available():
         pytest.skip("GPU lane: torch sees no CUDA device")
+    if name == "gpu" and (needs := request.node.get_closest_marker("gpus")) and torch.cuda.device_count() < needs.args[0]:
+        pytest.skip(f"GPU lane: needs {needs.args[0]} GPUs, torch sees {torch.cuda.device_count()}")
     scenario.use_lane(name)
     yield name
     scenario.use_lane("cpu")

@@ -236,19 +236,6 @@ def greedy(model, input_ids: torch.Tensor, new_tokens: int = 6) -> list[int]:
     return out[0, input_ids.shape[1] :].tolist()
 
 
-@torch.no_grad()
-def cache_consistency_error(model, input_ids: torch.Tensor, new_tokens: int = 6) -> float:
-    """Relative error between the logits `generate` computed step by step with its KV cache and one full
-    forward of the same sequence without a cache. Compared on one sequence, so a near-tie cannot flip it."""
-    out = model.generate(
-        input_ids=input_ids, max_new_tokens=new_tokens, do_sample=False, use_cache=True,
-        output_logits=True, return_dict_in_generate=True,
-    )
-    stepwise = torch.stack(out.logits, dim=1)[0].float().cpu()
-    full = model(input_ids=out.sequences[:, :-1], use_cache=False).logits[0, input_ids.shape[1] - 1 :].float().cpu()
-    return ((full - stepwise).norm() / stepwise.norm()).item()
-
-
 def require_hf_initialized(name: str, param: torch.nn.Parameter) -> None:
     require(getattr(param, "_is_hf_initialized", False), f"{name} does not carry transformers' _is_hf_initialized")
 

@@ -2,16 +2,14 @@
 
 Symptom: none expected. Seed 001 reports that `device_map={"": 0}` works and that the split map loads; the
 crashes start only when PEFT redispatches the split base (the other families). A failure of a control here
-is therefore a `new_failure`: something broke the plain path every QLoRA user takes. One exception
-is known: on CUDA, bitsandbytes < 0.50 decodes with a different 4-bit kernel than it prefills with, and the
-cached logits drift 2.9% from a full forward (bitsandbytes#1949 replaced both kernels).
+is therefore a `new_failure`: something broke the plain path every QLoRA user takes. Whether the cached
+logits of the same setup are right is the `cache_parity` family's question.
 
 The preflight checks the user's own device map against `named_modules()`. Seed 001's map names
 `model.multi_modal_projector`, which Gemma 4 does not have; transformers and accelerate accept the stray key
 without a word, so the user believed a module was offloaded that does not exist.
 
-Upstream: https://discuss.huggingface.co/t/cpu-offloading-error-scenario/175522 (seed 001),
-https://github.com/bitsandbytes-foundation/bitsandbytes/pull/1949.
+Upstream: https://discuss.huggingface.co/t/cpu-offloading-error-scenario/175522 (seed 001).
 
 Precondition proven: the base is 4-bit NF4 with nested quant state where double quant is on, the towers of
 the split base really sit on the CPU while the 4-bit language layers sit on the GPU, and the adapter changes
@@ -23,11 +21,6 @@ import torch
 from transformers import Gemma4ForConditionalGeneration
 
 from stackcheck import scenario, tiny
-
-# The cached and the full forward run the same bf16 kernels on different shapes; measured on the tiny model
-# (CPU, both sets) the error is 0 and on an H200 0.73% in bf16, so 1% leaves room for GPU kernel choices
-# and catches a wrong cache.
-CACHE_TOLERANCE = 0.01
 
 
 def test_seed_device_map_names_existing_modules():
@@ -50,8 +43,6 @@ def test_all_gpu_4bit_peft_generate(prompt):
 
     scenario.require_adapter_changes(scenario.logits(model, prompt), base_logits, "the language model")
     assert len(scenario.greedy(model, prompt)) == 6
-    error = scenario.cache_consistency_error(model, prompt)
-    scenario.assert_within("generate's KV-cache logits diverge from a full forward: relative error", error, CACHE_TOLERANCE)
 
 
 @pytest.mark.gpu

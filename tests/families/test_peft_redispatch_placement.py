@@ -1,0 +1,96 @@
+"""`PeftModel.from_pretrained` moves the modules of a dispatched base off the devices the user placed them on.
+
+Symptom (seed 000/001): the user puts the vision and audio towers on the CPU and asks "PEFT expects those on
+GPU?"; with a second, 4 GB GPU in the machine the load runs out of memory there. `load_adapter` sees the
+base's `hf_device_map` name 'cpu' or 'disk', strips the base's hooks (which brings offloaded weights back),
+recomputes a device map with `get_balanced_memory` + `infer_auto_device_map` over the free memory of every
+visible device, and dispatches the PeftModel with it. The base's own map is never read; a user's `device_map`
+is honoured only with keys spelled `base_model.model.<name>` (the base's own keys match nothing, with a
+warning). Where the modules go depends on what the host has free: everything onto GPU 0 on one GPU, a
+balanced split over both on two (measured on two H200s: 111 of 217 parameters on cuda:1), and back into RAM
+for the CPU lane's disk-offloaded embedding table.
+
+Upstream: the code is the same in peft 0.19.1, 0.21.2 and main (2026-08): the cpu/disk condition came with
+peft 0.3.0, `get_balanced_memory` with 0.1.0. Related: peft#287 ("device_map is not fully respected", closed),
+peft#3793 (adapter weights loaded to cuda for a CPU base, open). No report of this exact behaviour found.
+
+Precondition proven: the base really is dispatched across devices with an offloaded entry (so PEFT takes its
+redispatch branch), and PEFT really redispatched (the PeftModel got its own `hf_device_map`).
+
+The CPU lane tests the same intent one level down: the split base's per-layer embedding sits on disk, and it
+must stay there. PEFT's map there comes from free RAM, which is far above the tiny model's 0.64 MB on every
+host, except that a GPU host's free VRAM counts too: there the CPU lane's model moves onto the GPU, the same
+bug seen from another device (the failure names both places).
+"""
+
+import pytest
+import torch
+
+from stackcheck import scenario
+
+
+def placement(model) -> dict[str, str]:
+    """Where each base parameter lives: 'cpu', 'cuda:N', or 'offloaded' (on meta, its weight kept by an
+    accelerate hook in RAM or on disk). LoRA's wrappers are looked through: `base_layer.` is dropped and the
+    adapters' own parameters left out."""
+    where = {}
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            continue
+        name = name.removeprefix("base_model.model.").replace("base_layer.", "")
+        where[name] = "offloaded" if param.device.type == "meta" else str(param.device)
+    return where
+
+
+def as_peft_model_keys(base_map: dict) -> dict:
+    """The base's map in the names PEFT dispatches by (its documented way to keep a placement)."""
+    return {"base_model.model" + (f".{key}" if key else ""): device for key, device in base_map.items()}
+
+
+def redispatched_by_peft(quantized: bool, offload_dir, keep_base_map: bool = False):
+    """(the split base's placement, the model PEFT returned, the base's hf_device_map)."""
+    base = scenario.split_base(offload_dir / "base", quantized=quantized)
+    base_map, before = dict(base.hf_device_map), placement(base)
+    scenario.require("offloaded" in before.values(), f"the split base offloads nothing: {base_map}")
+    placement_kwargs = {"device_map": as_peft_model_keys(base_map)} if keep_base_map else {}
+
+    model = scenario.peft_load(base, "language", offload_dir=str(offload_dir / "peft"), **placement_kwargs)
+
+    scenario.require(model.__dict__.get("hf_device_map"), "PEFT did not redispatch the split base")
+    return before, model, base_map
+
+
+def assert_none_moved(moved: dict[str, tuple[str, str]], total: int, where: str, base_map: dict) -> None:
+    example = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in list(moved.items())[:3])
+    assert not moved, f"PEFT's redispatch moved {len(moved)} of {total} base parameters {where} the base's hf_device_map {base_map}: {example}"
+
+
+QUANTIZATION = pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "nf4"])
+
+
+@QUANTIZATION
+@pytest.mark.parametrize("keep_base_map", [False, True], ids=["no_placement_kwargs", "prefixed_base_map"])
+def test_peft_load_keeps_the_base_placement(quantized, keep_base_map, offload_dir):
+    """Without placement kwargs, as the seed user loaded; and the control, the base's map handed to PEFT in
+    its own module names, which must keep it."""
+    before, model, base_map = redispatched_by_peft(quantized, offload_dir, keep_base_map)
+
+    after = placement(model)
+
+    moved = {name: (before[name], after[name]) for name in before if after.get(name) != before[name]}
+    assert_none_moved(moved, len(before), "off the placement of", base_map)
+
+
+@pytest.mark.gpu
+@pytest.mark.gpus(2)
+@QUANTIZATION
+def test_peft_load_uses_no_gpu_outside_the_base_map(quantized, offload_dir):
+    """Seed 001's second GPU: the base maps nothing to cuda:1, so nothing may land there."""
+    before, model, base_map = redispatched_by_peft(quantized, offload_dir)
+    mapped = {f"cuda:{device}" for device in base_map.values() if isinstance(device, int)}
+
+    after = placement(model)
+
+    strays = {name: (before[name], after[name]) for name in before
+              if after.get(name, "").startswith("cuda") and after[name] not in mapped}
+    assert_none_moved(strays, len(before), "onto GPUs outside", base_map)

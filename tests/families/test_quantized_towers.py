@@ -1,0 +1,170 @@
+"""Gemma 4's vision and audio towers under bitsandbytes 4-bit, and the skip list users protect them with.
+
+Symptom (seed 004): with the towers quantized "the model only saw grey and distorted shapes"; the user gave up
+about 1 GB of VRAM to keep them in bf16 with `llm_int8_skip_modules`. By default NF4 quantizes every linear
+layer of both towers, the patch embedder's `input_proj` and the inner `.linear` of each
+`Gemma4ClippableLinear` included. Then:
+- `Gemma4VisionPatchEmbedder.forward` casts `pixel_values` to `input_proj.weight.dtype`, which is uint8: every
+  pixel in (-1, 1) after the model's rescaling becomes 0 and bitsandbytes casts the product back to uint8, so
+  the tower answers every image as if it were grey. No exception.
+- The audio tower clips with `torch.finfo(<linear>.weight.dtype)`, which raises on uint8; behind it, the
+  attention output is cast to uint8 as well.
+- The skip list matches each entry as a regex anchored at the start of a module name, or as a suffix of it:
+  `vision_tower` names the tower's container but none of its linear layers, so it skips nothing, silently.
+  The seed user's `model.multi_modal_projector` names no Gemma 4 module (its projector is `embed_vision`).
+- Any skip list replaces transformers' default skips: the tied `lm_head` becomes a `Linear4bit` around the
+  bf16 embedding and the first forward fails in bitsandbytes with a bare `AssertionError`.
+
+Upstream: transformers#46932 / PR #46933 (vision cast guarded in 5.13.0), #45672 (audio finfo, fixed in 5.11.0
+together with the attention cast), #45674 (a skip list drops the defaults; PR #45734 closed unmerged). All
+three casts are in 5.5.0, the first release with Gemma 4 (checked in every released wheel, 5.5.0 to 5.23.0).
+
+Precondition proven: the tower's layers really are NF4 `Linear4bit` (or, for the skip list, really are not), the
+bf16 tower's output depends on its input (so a blind tower cannot pass), and the 4-bit patch embedder really
+received the pixels.
+
+Tolerance: compared is the towers' *response*, f(x) - f(x'), which takes out the position embeddings that
+dominate the tiny towers' output. NF4 against bf16 on the tiny model (CPU, latest): vision response 0.386,
+audio response 0.333 (and 0.17 / 0.37 on the whole outputs); the bugs measure 1.000 (vision: the 4-bit
+response is exactly zero) and 0.76 (audio attention cast, measured on 5.6.2 with the finfo fix patched in).
+0.6 sits between.
+"""
+
+import pytest
+import torch
+
+from stackcheck import scenario
+
+RESPONSE_TOLERANCE = 0.6
+# The working spelling: the towers, their projectors (Gemma 4's `embed_vision` and `embed_audio`) and, because
+# any list replaces transformers' defaults, the tied head.
+QUALIFIED_SKIPS = ["model.vision_tower", "model.embed_vision", "model.audio_tower", "model.embed_audio", "lm_head"]
+TOWER_SKIPS = {
+    "seed_user": ["model.vision_tower", "model.multi_modal_projector", "model.audio_tower", "lm_head"],
+    "bare_names": ["vision_tower", "embed_vision", "audio_tower", "embed_audio", "lm_head"],
+    "qualified": QUALIFIED_SKIPS,
+}
+TOWERS = ("model.vision_tower", "model.audio_tower")
+
+
+def image_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a random image, a grey one, patch positions) as Gemma 4's image processor lays them out: values in
+    [0, 1], one row of 3 * patch_size**2 values per patch, (x, y) positions. The tiny tower's patch is 4 pixels:
+    a 16 x 16 image is 4 x 4 patches. Values stay clear of 0 and 1, which the uint8 cast would not zero."""
+    device = scenario.main_device()
+    generator = torch.Generator().manual_seed(1)
+    image = (0.02 + 0.96 * torch.rand(1, 16, 48, generator=generator)).to(torch.bfloat16)
+    grey = torch.full_like(image, 0.5)
+    x, y = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy")
+    positions = torch.stack([x, y], dim=-1).reshape(1, 16, 2)
+    return image.to(device), grey.to(device), positions.to(device)
+
+
+def audio_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two random log-mel inputs and their mask: 48 frames of 8 bins (the tiny tower's two stride-2
+    convolutions need 8)."""
+    device = scenario.main_device()
+    generator = torch.Generator().manual_seed(2)
+    first, second = (torch.randn(1, 48, 8, generator=generator).to(torch.bfloat16) for _ in range(2))
+    return first.to(device), second.to(device), torch.ones(1, 48, dtype=torch.bool, device=device)
+
+
+@torch.no_grad()
+def vision_response(model) -> torch.Tensor:
+    image, grey, positions = image_inputs()
+    tower = model.model.vision_tower
+    return (tower(pixel_values=image, pixel_position_ids=positions).last_hidden_state.float()
+            - tower(pixel_values=grey, pixel_position_ids=positions).last_hidden_state.float())
+
+
+@torch.no_grad()
+def audio_response(model) -> torch.Tensor:
+    first, second, mask = audio_inputs()
+    tower = model.model.audio_tower
+    return tower(first, mask).last_hidden_state.float() - tower(second, mask).last_hidden_state.float()
+
+
+def relative_error(measured: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((measured - reference).norm() / reference.norm()).item()
+
+
+def require_quantized(model, module: str) -> None:
+    layers = [name for name in scenario.linear4bit_modules(model) if name.startswith(module + ".")]
+    scenario.require(layers, f"{module} holds no bnb Linear4bit: the tower was not quantized")
+
+
+def bf16_response(response) -> torch.Tensor:
+    reference = response(scenario.load_base(quantized=False))
+    scenario.require(reference.norm() > 0, "the bf16 tower does not respond to its input")
+    return reference
+
+
+def test_4bit_vision_tower_sees_the_image():
+    reference = bf16_response(vision_response)
+    model = scenario.load_base()
+    require_quantized(model, "model.vision_tower")
+    embedder_inputs = []
+    model.model.vision_tower.patch_embedder.input_proj.register_forward_hook(
+        lambda module, args, output: embedder_inputs.append(args[0])
+    )
+
+    response = vision_response(model)
+
+    scenario.require(embedder_inputs, "the pixels never reached the 4-bit patch embedder")
+    error = relative_error(response, reference)
+    scenario.assert_within("the 4-bit vision tower loses the image: relative error of its response", error, RESPONSE_TOLERANCE)
+
+
+def test_4bit_audio_tower_matches_bf16():
+    reference = bf16_response(audio_response)
+    model = scenario.load_base()
+    require_quantized(model, "model.audio_tower")
+
+    response = audio_response(model)
+
+    error = relative_error(response, reference)
+    scenario.assert_within("the 4-bit audio tower diverges: relative error of its response", error, RESPONSE_TOLERANCE)
+
+
+def ineffective_skips(model, skip_modules: list[str]) -> list[str]:
+    """The entries that keep nothing unquantized of what they name, read as a user reads them: a module's
+    full name or its trailing dotted part (`vision_tower` names `model.vision_tower`)."""
+    modules = dict(model.named_modules())
+    quantized = scenario.linear4bit_modules(model)
+    ineffective = []
+    for entry in skip_modules:
+        named = [name for name in modules if name == entry or name.endswith("." + entry)]
+        still_4bit = [q for q in quantized for name in named if q == name or q.startswith(name + ".")]
+        if not named or still_4bit:
+            ineffective.append(entry)
+    return ineffective
+
+
+@pytest.mark.parametrize("spelling", TOWER_SKIPS)
+def test_skip_modules_keep_the_towers_in_bf16(spelling, prompt):
+    """The user's workaround: the towers listed in `llm_int8_skip_modules` stay bf16 and answer exactly as
+    the bf16 model's towers do."""
+    skips = TOWER_SKIPS[spelling]
+    config = scenario.bnb_config()
+    config.llm_int8_skip_modules = skips
+    model = scenario.load_base(quantization_config=config)
+    scenario.require(any(".language_model." in name for name in scenario.linear4bit_modules(model)),
+                     "the language model was not quantized: the skip list was not applied to a 4-bit load")
+
+    ineffective = ineffective_skips(model, skips)
+
+    assert not ineffective, f"llm_int8_skip_modules entries that keep nothing unquantized: {', '.join(ineffective)}"
+    assert relative_error(vision_response(model), bf16_response(vision_response)) == 0
+    assert relative_error(audio_response(model), bf16_response(audio_response)) == 0
+    assert len(scenario.greedy(model, prompt)) == 6
+
+
+def test_skip_modules_without_the_head_keep_text_generation(prompt):
+    """The towers skipped the way that works, the head left out of the list as the defaults had it."""
+    config = scenario.bnb_config()
+    config.llm_int8_skip_modules = list(TOWERS)
+    model = scenario.load_base(quantization_config=config)
+    scenario.require(not ineffective_skips(model, list(TOWERS)), "the towers were not kept in bf16")
+    scenario.require(model.config.get_text_config().tie_word_embeddings, "the head is not tied to the embedding")
+
+    assert len(scenario.greedy(model, prompt)) == 6
