@@ -121,18 +121,25 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("lane", lanes, indirect=True)
 
 
+def gpu_lane_skip_reason(node: pytest.Item, gpu_count: int) -> str | None:
+    """Why a test cannot run in the GPU lane of a host where torch sees `gpu_count` GPUs, if it cannot."""
+    if node.get_closest_marker("cpu"):
+        return "GPU lane: the test is about a CPU code path"
+    if gpu_count == 0:
+        return "GPU lane: torch sees no CUDA device"
+    if (needs := node.get_closest_marker("gpus")) and gpu_count < needs.args[0]:
+        return f"GPU lane: needs {needs.args[0]} GPUs, torch sees {gpu_count}"
+    return None
+
+
 @pytest.fixture(autouse=True)
 def lane(request: pytest.FixtureRequest):
-    """The lane of a family test (`cpu` for everything else); the GPU lane needs a CUDA device."""
+    """The lane of a family test (`cpu` for everything else)."""
     import torch
 
     name = getattr(request, "param", "cpu")
-    if name == "gpu" and request.node.get_closest_marker("cpu"):
-        pytest.skip("GPU lane: the test is about a CPU code path")
-    if name == "gpu" and not torch.cuda.is_available():
-        pytest.skip("GPU lane: torch sees no CUDA device")
-    if name == "gpu" and (needs := request.node.get_closest_marker("gpus")) and torch.cuda.device_count() < needs.args[0]:
-        pytest.skip(f"GPU lane: needs {needs.args[0]} GPUs, torch sees {torch.cuda.device_count()}")
+    if name == "gpu" and (reason := gpu_lane_skip_reason(request.node, torch.cuda.device_count())):
+        pytest.skip(reason)
     scenario.use_lane(name)
     yield name
     scenario.use_lane("cpu")

@@ -127,6 +127,11 @@ def linear4bit_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
 
 
+def require_linear4bit_under(model: torch.nn.Module, prefix: str) -> None:
+    layers = [name for name in linear4bit_modules(model) if name.startswith(prefix + ".")]
+    require(layers, f"{prefix} holds no bnb Linear4bit: it was not quantized")
+
+
 def require_nested_linear4bit(name: str, module: torch.nn.Module) -> None:
     import bitsandbytes as bnb
 

@@ -50,7 +50,7 @@ def as_peft_model_keys(base_map: dict) -> dict:
 def redispatched_by_peft(quantized: bool, offload_dir, keep_base_map: bool = False):
     """(the split base's placement, the model PEFT returned, the base's hf_device_map)."""
     base = scenario.split_base(offload_dir / "base", quantized=quantized)
-    base_map, before = dict(base.hf_device_map), placement(base)
+    base_map, before = dict(getattr(base, "hf_device_map", {})), placement(base)
     scenario.require("offloaded" in before.values(), f"the split base offloads nothing: {base_map}")
     placement_kwargs = {"device_map": as_peft_model_keys(base_map)} if keep_base_map else {}
 

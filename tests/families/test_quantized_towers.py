@@ -88,11 +88,6 @@ def relative_error(measured: torch.Tensor, reference: torch.Tensor) -> float:
     return ((measured - reference).norm() / reference.norm()).item()
 
 
-def require_quantized(model, module: str) -> None:
-    layers = [name for name in scenario.linear4bit_modules(model) if name.startswith(module + ".")]
-    scenario.require(layers, f"{module} holds no bnb Linear4bit: the tower was not quantized")
-
-
 def bf16_response(response) -> torch.Tensor:
     reference = response(scenario.load_base(quantized=False))
     scenario.require(reference.norm() > 0, "the bf16 tower does not respond to its input")
@@ -102,7 +97,7 @@ def bf16_response(response) -> torch.Tensor:
 def test_4bit_vision_tower_sees_the_image():
     reference = bf16_response(vision_response)
     model = scenario.load_base()
-    require_quantized(model, "model.vision_tower")
+    scenario.require_linear4bit_under(model, "model.vision_tower")
     embedder_inputs = []
     model.model.vision_tower.patch_embedder.input_proj.register_forward_hook(
         lambda module, args, output: embedder_inputs.append(args[0])
@@ -118,7 +113,7 @@ def test_4bit_vision_tower_sees_the_image():
 def test_4bit_audio_tower_matches_bf16():
     reference = bf16_response(audio_response)
     model = scenario.load_base()
-    require_quantized(model, "model.audio_tower")
+    scenario.require_linear4bit_under(model, "model.audio_tower")
 
     response = audio_response(model)
 
@@ -148,8 +143,7 @@ def test_skip_modules_keep_the_towers_in_bf16(spelling, prompt):
     config = scenario.bnb_config()
     config.llm_int8_skip_modules = skips
     model = scenario.load_base(quantization_config=config)
-    scenario.require(any(".language_model." in name for name in scenario.linear4bit_modules(model)),
-                     "the language model was not quantized: the skip list was not applied to a 4-bit load")
+    scenario.require_linear4bit_under(model, "model.language_model")
 
     ineffective = ineffective_skips(model, skips)
 

@@ -1,6 +1,7 @@
 """Each precondition guard fires when its precondition is broken on purpose, so no family test can pass
 without reaching its bug's scenario."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from stackcheck import REPO_ROOT, scenario, tiny
+from stackcheck import REPO_ROOT, plugin, scenario, tiny
 from stackcheck.scenario import ScenarioNotReached
 
 
@@ -75,3 +76,64 @@ def test_broken_fixture_makes_family_tests_error_not_pass(tmp_path):
 def test_dequantize_guard_sees_the_4bit_layers_it_must_remove():
     model = scenario.peft_load(scenario.load_base(), "language")
     assert scenario.linear4bit_modules(model), "a 4-bit PEFT model must show bnb Linear4bit modules to the guard"
+
+
+def family(name: str):
+    """A family module, for its own guards."""
+    return importlib.import_module(f"tests.families.test_{name}")
+
+
+def test_tower_quantization_guard_fires_on_a_bf16_model():
+    with pytest.raises(ScenarioNotReached, match="model.vision_tower holds no bnb Linear4bit"):
+        scenario.require_linear4bit_under(scenario.load_base(quantized=False), "model.vision_tower")
+
+
+def test_tower_response_guard_fires_when_the_output_ignores_the_input():
+    with pytest.raises(ScenarioNotReached, match="does not respond to its input"):
+        family("quantized_towers").bf16_response(lambda model: torch.zeros(2, 3))
+
+
+def test_patch_embedder_guard_fires_when_the_pixels_never_reach_it(monkeypatch):
+    towers = family("quantized_towers")
+    monkeypatch.setattr(towers, "vision_response", lambda model: torch.ones(2, 3))
+    with pytest.raises(ScenarioNotReached, match="never reached the 4-bit patch embedder"):
+        towers.test_4bit_vision_tower_sees_the_image()
+
+
+def test_skip_list_reading_matches_what_users_mean():
+    model = scenario.load_base()
+    skips = family("quantized_towers").ineffective_skips
+    assert skips(model, ["vision_tower", "model.multi_modal_projector", "lm_head"]) == ["vision_tower", "model.multi_modal_projector"]
+    assert skips(scenario.load_base(quantized=False), ["vision_tower", "model.audio_tower"]) == []
+
+
+def test_redispatch_guards_fire_on_a_base_peft_does_not_redispatch(monkeypatch, tmp_path):
+    placement = family("peft_redispatch_placement")
+    monkeypatch.setattr(scenario, "split_base", lambda offload_dir, quantized: scenario.load_base(quantized=quantized))
+    with pytest.raises(ScenarioNotReached, match="offloads nothing"):
+        placement.redispatched_by_peft(False, tmp_path)
+    monkeypatch.setattr(placement, "placement", lambda model: {"w": "offloaded"})
+    with pytest.raises(ScenarioNotReached, match="PEFT did not redispatch"):
+        placement.redispatched_by_peft(False, tmp_path)
+
+
+def test_cache_guard_fires_on_a_forward_that_returned_no_cache():
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    with pytest.raises(ScenarioNotReached, match="returned no cache"):
+        family("cache_parity").require_cache(CausalLMOutputWithPast(logits=torch.zeros(1, 2, 3)))
+
+
+@pytest.mark.parametrize(("markers", "gpus", "reason"), [
+    ((), 1, None),
+    ((), 0, "GPU lane: torch sees no CUDA device"),
+    ((pytest.mark.cpu,), 2, "GPU lane: the test is about a CPU code path"),
+    ((pytest.mark.gpus(2),), 1, "GPU lane: needs 2 GPUs, torch sees 1"),
+    ((pytest.mark.gpus(2),), 2, None),
+])
+def test_gpu_lane_skips_say_why(markers, gpus, reason):
+    class Node:
+        def get_closest_marker(self, name):
+            return next((m.mark for m in markers if m.mark.name == name), None)
+
+    assert plugin.gpu_lane_skip_reason(Node(), gpus) == reason
