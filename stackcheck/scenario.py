@@ -86,6 +86,13 @@ def bnb_config(double_quant: bool = True, fp32_cpu_offload: bool = False):
     )
 
 
+def int8_config(fp32_cpu_offload: bool = False):
+    """LLM.int8 as users load it: `load_in_8bit` with transformers' defaults (outlier threshold 6.0)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=fp32_cpu_offload)
+
+
 def load_base(quantized: bool = True, double_quant: bool = True, device_map=None, **kwargs):
     """The seed's `Gemma4ForConditionalGeneration.from_pretrained`, on the tiny checkpoint."""
     from transformers import Gemma4ForConditionalGeneration

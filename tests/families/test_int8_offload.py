@@ -1,0 +1,117 @@
+"""The LLM.int8 (8-bit) twins of the 4-bit offload bugs: `Int8Params` rebuilt from a transformers 5 parameter,
+and its statistics (`SCB`) lost when an offload hook detaches.
+
+Symptom (seed 002, transformers#43872): the seed's split map with `load_in_8bit=True` and
+`llm_int8_enable_fp32_cpu_offload=True`, then `PeftModel.from_pretrained` under a `max_memory` budget ->
+`load_adapter` -> `dispatch_model` -> `AlignDevicesHook.init_hook` -> accelerate `set_module_tensor_to_device`,
+which rebuilds the weight as `Int8Params(new_value, **old_param.__dict__)`:
+`TypeError: Int8Params.__new__() got an unexpected keyword argument '_is_hf_initialized'`. Without memory
+pressure PEFT moves everything onto the GPU and nothing is offloaded.
+Behind it, `AlignDevicesHook.detach_hook` (what `PeftModel.from_pretrained` runs on a base whose map has
+offloaded entries, and every `remove_hook_from_submodules`) restores an offloaded int8 weight without its
+`SCB`, and the next forward fails inside bitsandbytes (`'NoneType' object has no attribute 'unsqueeze'` on
+the CPU, `... 'dtype'` on CUDA).
+
+Upstream: accelerate PR #3976 (pops `_is_hf_initialized` for every parameter class, 1.14.0) and
+bitsandbytes PR #1900 (`**kwargs` in `Int8Params.__new__`, 0.50.0): either fixes the first bug. accelerate
+has rebuilt `Int8Params` from the old `__dict__` since PR #539 (0.12.0); transformers leaves the flag on loaded
+parameters since 5.0.0rc0 (4.57.3 popped it). The second: accelerate PR #4044 (detach passes the statistics,
+1.14.0); offload hooks for 8-bit came with PR #1699 (0.21.0). On `seed` the first bug hides the second, which
+shows with accelerate < 1.14 and bitsandbytes >= 0.50.
+
+Not tested, with evidence: peft#3169 (LoRA + Int8 + CPU offload, "found at least two devices, cuda:0 and
+cpu" in `peft/tuners/lora/bnb.py:forward`, open; PR #3181 closed unmerged) needs an 8-bit base layer that
+*executes* on the CPU while its input is on the GPU. accelerate's offload (transformers' dispatch and PEFT's
+redispatch alike) executes offloaded layers on the GPU, and fp32 CPU offload keeps every CPU-mapped layer out
+of 8-bit, so the tiny model reaches it only through a hand-made hook (measured on an H100, peft 0.19.1 to
+0.21.2): that would be our bug, not the user's.
+
+The end-to-end test runs in the GPU lane only: on a host without CUDA, accelerate's pre-forward moves an
+8-bit weight to the string device "cpu" through `.to(0)` (since 0.21.0), which raises "Cannot access
+accelerator device" on every version, so its CPU verdict would depend on the host.
+
+Precondition proven: the layers are bitsandbytes `Linear8bitLt` loaded by transformers, whose `Int8Params`
+carry `_is_hf_initialized`; the offload hook really moved the weight to meta; PEFT's redispatch really
+offloaded 8-bit layers.
+"""
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from accelerate import cpu_offload
+from accelerate.hooks import remove_hook_from_submodules
+from accelerate.utils import set_module_tensor_to_device
+
+from stackcheck import scenario
+
+
+def int8_layers(model) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear8bitLt)}
+
+
+def loaded_int8_layer(**load_kwargs):
+    layers = int8_layers(scenario.load_base(quantization_config=scenario.int8_config(), **load_kwargs))
+    scenario.require(layers, "the model has no bnb Linear8bitLt modules")
+    name, module = next(iter(layers.items()))
+    scenario.require(isinstance(module.weight, bnb.nn.Int8Params), f"{name}.weight is not Int8Params")
+    scenario.require_hf_initialized(name, module.weight)
+    return module
+
+
+def layer_input(module) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(2, module.in_features, generator=generator).to(torch.bfloat16).to(scenario.main_device())
+
+
+def test_offload_hook_moves_loaded_int8_param_to_meta():
+    module = loaded_int8_layer()
+
+    set_module_tensor_to_device(module, "weight", "meta")
+
+    assert isinstance(module.weight, bnb.nn.Int8Params)
+    assert module.weight.device.type == "meta"
+
+
+def test_offload_hook_restores_int8_weight_from_weights_map():
+    """What `AlignDevicesHook.pre_forward` does for an offloaded 8-bit layer: set the stored weight back, with
+    its statistics."""
+    module = loaded_int8_layer()
+    stored, statistics = module.weight.data.clone(), module.weight.SCB.clone()
+
+    set_module_tensor_to_device(module, "weight", scenario.main_device(), value=stored, fp16_statistics=statistics)
+
+    assert isinstance(module.weight, bnb.nn.Int8Params)
+    assert module.weight.device.type == scenario.main_device().type
+
+
+@torch.no_grad()
+def test_int8_layer_computes_the_same_after_its_offload_hook_detaches():
+    module = loaded_int8_layer()
+    x = layer_input(module)
+    expected = module(x)
+
+    cpu_offload(module, execution_device=scenario.main_device())
+    scenario.require(module.weight.device.type == "meta", "the offload hook did not move the 8-bit weight to meta")
+    remove_hook_from_submodules(module)
+
+    assert module.weight.SCB is not None, "the offload hook's detach restored the int8 weight without its statistics (SCB)"
+    torch.testing.assert_close(module(x), expected, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_int8_split_base_generates_after_peft_redispatch(offload_dir, prompt):
+    """Seed 002's 8-bit load: the seed's split map with fp32 CPU offload, the adapter loaded under memory
+    pressure, against the same adapter on the base loaded onto the GPU whole."""
+    reference = scenario.peft_load(scenario.load_base(quantization_config=scenario.int8_config(), device_map={"": 0}), "language")
+    reference_logits, reference_tokens = scenario.logits(reference, prompt), scenario.greedy(reference, prompt)
+    del reference
+    base = scenario.load_base(quantization_config=scenario.int8_config(fp32_cpu_offload=True),
+                              device_map=scenario.SEED_SPLIT_DEVICE_MAP)
+    scenario.require(int8_layers(base), "the split base has no bnb Linear8bitLt modules")
+
+    model = scenario.peft_load(base, "language", max_memory=scenario.memory_pressure(base), offload_dir=str(offload_dir))
+
+    offloaded = [name for name, m in int8_layers(model).items() if m.weight.device.type == "meta"]
+    scenario.require(offloaded, "PEFT's redispatch kept every 8-bit layer on the GPU")
+    torch.testing.assert_close(scenario.logits(model, prompt), reference_logits, rtol=0, atol=1e-2)
+    assert scenario.greedy(model, prompt) == reference_tokens
