@@ -48,6 +48,8 @@ class ToleranceExceeded(AssertionError):
 
 
 def assert_within(what: str, measured: float, tolerance: float) -> None:
+    # Captured by pytest: shown for a failure, and for a pass with `-rP`, so passing margins can be reported too.
+    print(f"stackcheck measured: {what} {measured:.4f} (tolerance {tolerance})")
     if not measured <= tolerance:  # written so that NaN fails too
         raise ToleranceExceeded(what, measured, tolerance)
 

@@ -14,8 +14,9 @@ Upstream: the code is the same in peft 0.19.1, 0.21.2 and main (2026-08): the cp
 peft 0.3.0, `get_balanced_memory` with 0.1.0. Related: peft#287 ("device_map is not fully respected", closed),
 peft#3793 (adapter weights loaded to cuda for a CPU base, open). No report of this exact behaviour found.
 
-Precondition proven: the base really is dispatched across devices with an offloaded entry (so PEFT takes its
-redispatch branch), and PEFT really redispatched (the PeftModel got its own `hf_device_map`).
+Precondition proven: the base's parameters really sit in more than one place (so its map has a 'cpu' or
+'disk' entry and PEFT takes its redispatch branch), and PEFT really redispatched (the PeftModel got its own
+`hf_device_map`).
 
 The CPU lane tests the same intent one level down: the split base's per-layer embedding sits on disk, and it
 must stay there. PEFT's map there comes from free RAM, which is far above the tiny model's 0.64 MB on every
@@ -51,7 +52,7 @@ def redispatched_by_peft(quantized: bool, offload_dir, keep_base_map: bool = Fal
     """(the split base's placement, the model PEFT returned, the base's hf_device_map)."""
     base = scenario.split_base(offload_dir / "base", quantized=quantized)
     base_map, before = dict(getattr(base, "hf_device_map", {})), placement(base)
-    scenario.require("offloaded" in before.values(), f"the split base offloads nothing: {base_map}")
+    scenario.require(len(set(before.values())) > 1, f"the split base sits in one place: {base_map}")
     placement_kwargs = {"device_map": as_peft_model_keys(base_map)} if keep_base_map else {}
 
     model = scenario.peft_load(base, "language", offload_dir=str(offload_dir / "peft"), **placement_kwargs)

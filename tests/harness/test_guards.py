@@ -110,9 +110,9 @@ def test_skip_list_reading_matches_what_users_mean():
 def test_redispatch_guards_fire_on_a_base_peft_does_not_redispatch(monkeypatch, tmp_path):
     placement = family("peft_redispatch_placement")
     monkeypatch.setattr(scenario, "split_base", lambda offload_dir, quantized: scenario.load_base(quantized=quantized))
-    with pytest.raises(ScenarioNotReached, match="offloads nothing"):
+    with pytest.raises(ScenarioNotReached, match="sits in one place"):
         placement.redispatched_by_peft(False, tmp_path)
-    monkeypatch.setattr(placement, "placement", lambda model: {"w": "offloaded"})
+    monkeypatch.setattr(placement, "placement", lambda model: {"w": "offloaded", "v": "cpu"})
     with pytest.raises(ScenarioNotReached, match="PEFT did not redispatch"):
         placement.redispatched_by_peft(False, tmp_path)
 
