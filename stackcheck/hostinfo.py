@@ -70,7 +70,10 @@ def platform_facts() -> dict[str, str]:
         "bnb_cpu_packed_path": bnb_cpu_packed_path(),
     }
     if torch.cuda.is_available():
-        facts |= {"gpu": torch.cuda.get_device_name(0), "gpu_driver": _nvidia_driver(), "cuda": str(torch.version.cuda)}
+        # The count is a fact of the GPU lane: PEFT's redispatch, for one, spreads a model over every visible GPU.
+        count = torch.cuda.device_count()
+        gpu = torch.cuda.get_device_name(0) if count == 1 else f"{count} x {torch.cuda.get_device_name(0)}"
+        facts |= {"gpu": gpu, "gpu_driver": _nvidia_driver(), "cuda": str(torch.version.cuda)}
     else:
         facts["gpu"] = "none"
     return facts

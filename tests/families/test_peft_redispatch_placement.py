@@ -19,9 +19,11 @@ Precondition proven: the base's parameters really sit in more than one place (so
 `hf_device_map`).
 
 The CPU lane tests the same intent one level down: the split base's per-layer embedding sits on disk, and it
-must stay there. PEFT's map there comes from free RAM, which is far above the tiny model's 0.64 MB on every
-host, except that a GPU host's free VRAM counts too: there the CPU lane's model moves onto the GPU, the same
-bug seen from another device (the failure names both places).
+must stay there. PEFT's map there comes from free RAM, far above the tiny model's 0.64 MB on every host; the
+lane hands PEFT that budget explicitly, because on a GPU host PEFT would count the GPUs' free memory too
+(measured on two H200s: the CPU lane's 4-bit model then went to both GPUs, through `params4bit_kwargs` on seed).
+In the GPU lane the number of GPUs is part of the platform: on two, seed's 4-bit redispatch meets
+`params4bit_kwargs` before any placement can be checked.
 """
 
 import pytest
@@ -48,12 +50,23 @@ def as_peft_model_keys(base_map: dict) -> dict:
     return {"base_model.model" + (f".{key}" if key else ""): device for key, device in base_map.items()}
 
 
+def cpu_only_host_default() -> dict:
+    """No placement kwargs, as the seed user loaded. In the CPU lane PEFT is handed the budget it finds by
+    itself on a host without a GPU (accelerate's `get_max_memory()`: the free RAM), because on a GPU host it
+    would also count the GPUs, and the CPU lane's verdict must not depend on them."""
+    if scenario.main_device().type != "cpu":
+        return {}
+    from accelerate.utils import get_max_memory
+
+    return {"max_memory": {"cpu": get_max_memory()["cpu"]}}
+
+
 def redispatched_by_peft(quantized: bool, offload_dir, keep_base_map: bool = False):
     """(the split base's placement, the model PEFT returned, the base's hf_device_map)."""
     base = scenario.split_base(offload_dir / "base", quantized=quantized)
     base_map, before = dict(getattr(base, "hf_device_map", {})), placement(base)
     scenario.require(len(set(before.values())) > 1, f"the split base sits in one place: {base_map}")
-    placement_kwargs = {"device_map": as_peft_model_keys(base_map)} if keep_base_map else {}
+    placement_kwargs = {"device_map": as_peft_model_keys(base_map)} if keep_base_map else cpu_only_host_default()
 
     model = scenario.peft_load(base, "language", offload_dir=str(offload_dir / "peft"), **placement_kwargs)
 
