@@ -250,6 +250,19 @@ def greedy(model, input_ids: torch.Tensor, new_tokens: int = 6) -> list[int]:
     return out[0, input_ids.shape[1] :].tolist()
 
 
+def assert_offload_hook_moves_weight_to_meta(module: torch.nn.Module) -> None:
+    """What accelerate's offload hook does to a layer when it attaches: `set_module_tensor_to_device(module,
+    "weight", "meta")`, which rebuilds a quantized weight as its own parameter class (Params4bit, Int8Params)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    param_class = type(module.weight)
+
+    set_module_tensor_to_device(module, "weight", "meta")
+
+    assert isinstance(module.weight, param_class), f"the weight is {type(module.weight).__name__}, not {param_class.__name__}"
+    assert module.weight.device.type == "meta"
+
+
 def require_hf_initialized(name: str, param: torch.nn.Parameter) -> None:
     require(getattr(param, "_is_hf_initialized", False), f"{name} does not carry transformers' _is_hf_initialized")
 

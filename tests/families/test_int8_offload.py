@@ -64,12 +64,7 @@ def layer_input(module) -> torch.Tensor:
 
 
 def test_offload_hook_moves_loaded_int8_param_to_meta():
-    module = loaded_int8_layer()
-
-    set_module_tensor_to_device(module, "weight", "meta")
-
-    assert isinstance(module.weight, bnb.nn.Int8Params)
-    assert module.weight.device.type == "meta"
+    scenario.assert_offload_hook_moves_weight_to_meta(loaded_int8_layer())
 
 
 def test_offload_hook_restores_int8_weight_from_weights_map():

@@ -25,12 +25,7 @@ def loaded_param4bit_module():
 
 
 def test_offload_hook_moves_loaded_param_to_meta():
-    module = loaded_param4bit_module()
-
-    set_module_tensor_to_device(module, "weight", "meta")
-
-    assert isinstance(module.weight, bnb.nn.Params4bit)
-    assert module.weight.device.type == "meta"
+    scenario.assert_offload_hook_moves_weight_to_meta(loaded_param4bit_module())
 
 
 def test_offload_hook_restores_weight_from_weights_map():

@@ -27,7 +27,6 @@ In the GPU lane the number of GPUs is part of the platform: on two, seed's 4-bit
 """
 
 import pytest
-import torch
 
 from stackcheck import scenario
 
