@@ -100,19 +100,24 @@ def base_checkpoint() -> Path:
     return _build_once(_cache_dir() / "base", build)
 
 
+def lora_config(name: str, **overrides):
+    """The LoRA config of the adapter fixture `name`: its targets (fixtures/adapters.json), rank 4, alpha 8."""
+    from peft import LoraConfig
+
+    return LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": adapter_spec(name)["target_modules"], **overrides})
+
+
 @cache
 def adapter_checkpoint(name: str) -> Path:
     """Directory of the LoRA adapter fixture `name` (see fixtures/adapters.json)."""
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    tiny_adapters = _fixture("adapters.json")
-    spec = tiny_adapters[name]
+    spec = adapter_spec(name)
 
     def build(out: Path) -> None:
-        weights_spec = tiny_adapters[spec.get("weights_from", name)]
         torch.manual_seed(SEED + 1)
-        config = LoraConfig(r=4, lora_alpha=8, target_modules=weights_spec["target_modules"], init_lora_weights=False)
+        config = lora_config(spec.get("weights_from", name), init_lora_weights=False)
         model = get_peft_model(_new_base_model(), config)
         model.save_pretrained(out)
         if "weights_from" in spec:

@@ -137,3 +137,9 @@ def test_gpu_lane_skips_say_why(markers, gpus, reason):
             return next((m.mark for m in markers if m.mark.name == name), None)
 
     assert plugin.gpu_lane_skip_reason(Node(), gpus) == reason
+
+
+def test_optimizer_guard_fires_when_no_lora_weight_moved():
+    weights = {"lora_A": torch.ones(2, 2)}
+    with pytest.raises(ScenarioNotReached, match="moved no LoRA weight"):
+        family("qlora_step").require_optimizer_moved(weights, {"lora_A": torch.ones(2, 2)})
