@@ -143,3 +143,15 @@ def test_optimizer_guard_fires_when_no_lora_weight_moved():
     weights = {"lora_A": torch.ones(2, 2)}
     with pytest.raises(ScenarioNotReached, match="moved no LoRA weight"):
         family("qlora_step").require_optimizer_moved(weights, {"lora_A": torch.ones(2, 2)})
+
+
+def test_checkpointing_guards_fire_without_recompute_or_without_gradients():
+    checkpointing = family("checkpointing_kv_sharing")
+    model = checkpointing.lora_model(quantized=False)
+    with pytest.raises(ScenarioNotReached, match="checkpointing did not recompute"):
+        checkpointing.checkpointed_gradients(model)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.zeros_(param)  # LoRA's own init: A gets no gradient at the first step
+    with pytest.raises(ScenarioNotReached, match="get no gradient even without checkpointing"):
+        checkpointing.reference_gradients(model)

@@ -1,0 +1,123 @@
+"""Reentrant gradient checkpointing silently drops the gradient Gemma 4's KV-shared layers send back to the
+layers whose K/V they reuse.
+
+Symptom (no exception, the loss identical to the last digit): LoRA gradients with checkpointing differ from
+those without. The KV-shared decoder layers read their source layer's K/V from a dict passed between layers as
+a keyword argument (`shared_kv_states`, a `KVSharingDict` from 5.23.0). `GradientCheckpointingLayer` binds
+keyword arguments into a partial, so the dict is no input of `torch.utils.checkpoint`; under reentrant
+checkpointing the first pass runs without grad, the dict holds detached K/V, and the consumers' gradient never
+reaches the source layers' k/v projections nor anything before them. Measured on the tiny model (its sources
+are layers 2 and 3), with the language adapter's targets (q/k/v/o/gate/up/down): 46 of 76 LoRA tensors wrong,
+exactly all of layers 0 to 2 and layer 3's k/v; on seed and latest alike.
+
+What leads users into it: transformers' own default is non-reentrant, but PEFT's
+`prepare_model_for_kbit_training` passes `gradient_checkpointing_kwargs={}`, which transformers does not
+replace, so torch's default applies, and torch 2.13 still defaults to reentrant (it only warns). A custom
+training loop on a QLoRA model therefore trains with partial gradients; `Trainer` with `gradient_checkpointing=True`
+re-enables non-reentrant.
+
+Upstream: no transformers or PEFT report found; the mechanism came with transformers PR #45312 (KV sharing
+dissociated from the cache, 5.5.2), whose reviewer noted "ig we have to disable GC for model" (not done, not in
+5.23.0). unsloth-zoo PR #813 forces non-reentrant for it (measured there on transformers 5.12.1).
+
+Precondition proven: the model has KV-shared layers, checkpointing really recomputed the decoder layers during
+backward (their forward runs twice), and the adapter gives every LoRA tensor a non-zero gradient without
+checkpointing (non-zero LoRA weights, so B's zero init does not hide A's gradient).
+
+Tolerance: 0.01 relative error per LoRA tensor. Without the bug the gradients are identical: non-reentrant
+measures 0.0000 on the CPU (seed and latest). The bug's worst tensor: 0.4825 with reentrant checkpointing on the
+bf16 base, 0.7113 (seed) and 0.7088 (latest) with `prepare_model_for_kbit_training`'s defaults on the 4-bit base.
+"""
+
+import pytest
+import torch
+
+from stackcheck import scenario, tiny
+
+GRADIENT_TOLERANCE = 0.01
+BATCH = [scenario.PROMPT_IDS[0] + [3, 17, 99, 45]]
+
+
+def lora_model(quantized: bool, prepare=lambda base: base):
+    """The base, `prepare`d, with the language adapter's targets and non-zero LoRA weights (the same on every
+    call), in training mode."""
+    from peft import get_peft_model
+
+    base = scenario.load_base(quantized=quantized)
+    scenario.shared_kv_layers(base)
+    base = prepare(base)
+    torch.manual_seed(tiny.SEED + 1)
+    model = get_peft_model(base, tiny.lora_config("language", init_lora_weights=False))
+    model.train()
+    return model
+
+
+def lora_gradients(model) -> dict[str, torch.Tensor]:
+    """The LoRA gradients of one forward and backward of the fixed batch."""
+    batch = torch.tensor(BATCH, device=scenario.main_device())
+    model.zero_grad()
+    model(input_ids=batch, labels=batch).loss.backward()
+    return {name: torch.zeros_like(p, dtype=torch.float) if p.grad is None else p.grad.detach().float().clone()
+            for name, p in model.named_parameters() if "lora_" in name}
+
+
+def attention_runs(model, run) -> int:
+    """How often the attention of decoder layer 0 ran during `run` (the layer's own hooks sit outside
+    transformers' checkpoint wrapper, so they see the first pass only)."""
+    layers, _shared = scenario.shared_kv_layers(model)
+    calls = []
+    handle = layers[0].self_attn.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        run()
+    finally:
+        handle.remove()
+    return len(calls)
+
+
+def assert_gradients_match(reference: dict[str, torch.Tensor], measured: dict[str, torch.Tensor]) -> None:
+    errors = {name: ((measured[name] - g).norm() / g.norm()).item() for name, g in reference.items()}
+    wrong = [name for name, error in errors.items() if not error <= GRADIENT_TOLERANCE]
+    worst = max(errors.values())
+    scenario.assert_within(f"LoRA gradients with checkpointing diverge from those without ({len(wrong)} of "
+                           f"{len(errors)} tensors): worst relative error", worst, GRADIENT_TOLERANCE)
+
+
+def checkpointed_gradients(model) -> dict[str, torch.Tensor]:
+    gradients = {}
+    runs = attention_runs(model, lambda: gradients.update(lora_gradients(model)))
+    scenario.require(runs == 2, f"decoder layer 0's attention ran {runs} time(s) in a forward and backward: checkpointing did not recompute it")
+    return gradients
+
+
+def reference_gradients(model) -> dict[str, torch.Tensor]:
+    reference = lora_gradients(model)
+    dead = [name for name, g in reference.items() if not g.any()]
+    scenario.require(not dead, f"{len(dead)} LoRA tensors get no gradient even without checkpointing")
+    return reference
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_lora_gradients_with_checkpointing_match_without(use_reentrant):
+    """transformers' `gradient_checkpointing_enable`, with `use_reentrant` chosen explicitly; reentrant needs
+    inputs that require grad, so `enable_input_require_grads` as PEFT's docs show."""
+    model = lora_model(quantized=False)
+    reference = reference_gradients(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.enable_input_require_grads()
+
+    assert_gradients_match(reference, checkpointed_gradients(model))
+
+
+def test_kbit_training_defaults_keep_lora_gradients():
+    """The QLoRA path: `prepare_model_for_kbit_training` with its defaults on the 4-bit base, against the same
+    preparation without checkpointing."""
+    from peft import prepare_model_for_kbit_training
+
+    reference_model = lora_model(True, lambda base: prepare_model_for_kbit_training(base, use_gradient_checkpointing=False))
+    scenario.first_nested_linear4bit(reference_model)
+    reference = reference_gradients(reference_model)
+    del reference_model
+
+    model = lora_model(True, prepare_model_for_kbit_training)
+
+    assert_gradients_match(reference, checkpointed_gradients(model))
