@@ -24,6 +24,9 @@ from stackcheck.versions import PACKAGES
 
 LEDGER_FILE = Path(__file__).with_name("ledger.toml")
 FAMILIES_DIR = REPO_ROOT / "tests" / "families"
+# Python 3.11 runs a comprehension in a frame of its own, 3.12 inlines it (PEP 709): dropping these frames
+# names the enclosing function on every Python.
+COMPREHENSION_FRAMES = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
 # The platform and our own helpers: their frames sit between the failing call and the raise (torch's
 # function modes and `Tensor` wrappers, `scenario`'s assertion helpers), so they never identify a bug.
 HARNESS_FRAMES = ("torch/", "stackcheck/")
@@ -131,7 +134,8 @@ class Failure:
 
     @classmethod
     def from_exception(cls, exc: BaseException, not_reached: bool = False) -> Failure:
-        frames = tuple(f"{_short_path(f.filename)}:{f.name}" for f in traceback.extract_tb(exc.__traceback__))
+        frames = tuple(f"{_short_path(f.filename)}:{f.name}" for f in traceback.extract_tb(exc.__traceback__)
+                       if f.name not in COMPREHENSION_FRAMES)
         mro = tuple(k.__name__ for k in type(exc).__mro__)
         message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
         if isinstance(exc, AssertionError):

@@ -72,6 +72,17 @@ def test_torch_frames_below_the_library_call_do_not_hide_it(versions, ledger):
     assert (judgement.verdict, judgement.bug) == (KNOWN_BUG, "meta_quant_state")
 
 
+def test_a_comprehension_is_named_by_its_function_on_every_python():
+    """Python 3.11 gives a comprehension its own frame (`<listcomp>`), 3.12 inlines it: the raising frame is the
+    function around it either way, so a bug raised inside one (bitsandbytes' `is_on_gpu`) has one signature."""
+
+    def checks_every_tensor(tensors):
+        return [t.shape for t in tensors]
+
+    failure = caught(checks_every_tensor, [torch.zeros(1), None])
+    assert failure.raising_frame == "tests/harness/test_ledger.py:checks_every_tensor"
+
+
 def test_message_must_match_whole_not_be_searched(ledger, versions, monkeypatch):
     """The preflight names the seed's stray key; a longer list of unknown keys is another failure."""
     family = family_module("seed_scenario")
