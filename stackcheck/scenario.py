@@ -18,6 +18,8 @@ from stackcheck import hostinfo, tiny
 # Chosen so that every greedy step of the tiny base and adapter, 4-bit and bf16, wins by at least 0.69
 # logits (11 bf16 steps at their scale): token comparisons then test the stack, not rounding on a near-tie.
 PROMPT_IDS = [[92, 140, 25, 5, 26, 242, 247, 189]]
+# One fixed training batch: the prompt and four more tokens, its own labels.
+TRAINING_IDS = [PROMPT_IDS[0] + [3, 17, 99, 45]]
 # The seed user's device map (seed 001), and the split the GPU lane loads: the same without
 # `model.multi_modal_projector`, which Gemma 4 does not have (from_pretrained accepts the stray key).
 SEED_USER_DEVICE_MAP = {"model.vision_tower": "cpu", "model.multi_modal_projector": "cpu", "model.audio_tower": "cpu", "": 0}
@@ -224,6 +226,29 @@ def peft_load(base, adapter: str | Path, **kwargs):
     return PeftModel.from_pretrained(base, checkpoint, is_trainable=False, **kwargs)
 
 
+def qlora_model(base, adapter: str = "language"):
+    """The QLoRA recipe on `base`: `prepare_model_for_kbit_training` with its defaults, then a fresh LoRA on the
+    adapter fixture's targets (`tiny.lora_config`), in training mode."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    model = get_peft_model(prepare_model_for_kbit_training(base), tiny.lora_config(adapter))
+    model.train()
+    return model
+
+
+def train_steps(model, optimizer, steps: int) -> list[float]:
+    """`steps` optimizer steps on the fixed training batch; the loss of each."""
+    batch = torch.tensor(TRAINING_IDS, device=main_device())
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def offloaded_linear4bit(model, device_map: dict[str, object], offloaded_to: Iterable[str]) -> list[str]:
     """Names of Linear4bit modules that `device_map` sent to an offload device."""
     offloaded_to = set(offloaded_to)
@@ -295,6 +320,10 @@ def lora_wrapped(model) -> list[str]:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     return [name for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+
+
+def lora_tensors(model) -> list[str]:
+    return [name for name, _ in model.named_parameters() if "lora_" in name]
 
 
 def require_adapter_changes(with_adapter: torch.Tensor, without_adapter: torch.Tensor, where: str) -> None:

@@ -35,7 +35,6 @@ import torch
 from stackcheck import scenario, tiny
 
 GRADIENT_TOLERANCE = 0.01
-BATCH = [scenario.PROMPT_IDS[0] + [3, 17, 99, 45]]
 
 
 def lora_model(quantized: bool, prepare=lambda base: base):
@@ -54,7 +53,7 @@ def lora_model(quantized: bool, prepare=lambda base: base):
 
 def lora_gradients(model) -> dict[str, torch.Tensor]:
     """The LoRA gradients of one forward and backward of the fixed batch."""
-    batch = torch.tensor(BATCH, device=scenario.main_device())
+    batch = torch.tensor(scenario.TRAINING_IDS, device=scenario.main_device())
     model.zero_grad()
     model(input_ids=batch, labels=batch).loss.backward()
     return {name: torch.zeros_like(p, dtype=torch.float) if p.grad is None else p.grad.detach().float().clone()
