@@ -56,6 +56,12 @@ def assert_within(what: str, measured: float, tolerance: float) -> None:
         raise ToleranceExceeded(what, measured, tolerance)
 
 
+def relative_error(measured: torch.Tensor, reference: torch.Tensor) -> float:
+    """||measured - reference|| / ||reference||, in fp32."""
+    measured, reference = measured.float(), reference.float()
+    return ((measured - reference).norm() / reference.norm()).item()
+
+
 def use_lane(lane: str) -> None:
     """Point `main_device()` at the lane's device. The CPU lane stays on the CPU even on a GPU host, so its
     verdicts mean the same on every machine."""

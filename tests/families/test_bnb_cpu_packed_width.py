@@ -73,7 +73,7 @@ def outputs_with_the_packed_path_enabled(shape) -> tuple[torch.nn.Module, float]
 
         packed = layer(x)
 
-    return layer, ((packed.float() - expected.float()).norm() / expected.float().norm()).item()
+    return layer, scenario.relative_error(packed, expected)
 
 
 @pytest.mark.cpu

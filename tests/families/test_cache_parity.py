@@ -45,10 +45,6 @@ def adapted_model(quantized: bool):
     return scenario.peft_load(base, "language")
 
 
-def relative_error(measured: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((measured - reference).norm() / reference.norm()).item()
-
-
 def require_cache(output) -> None:
     scenario.require(output.past_key_values is not None, "the forward with use_cache=True returned no cache")
 
@@ -67,7 +63,7 @@ def test_forward_without_cache_matches_cached_forward(quantized, prompt):
 
     require_cache(cached)
     assert_cache_parity("logits without a cache diverge from the cached forward",
-                        relative_error(uncached, cached.logits.float().cpu()))
+                        scenario.relative_error(uncached, cached.logits.float().cpu()))
 
 
 @QUANTIZATION
@@ -82,4 +78,4 @@ def test_generate_cached_logits_match_full_forward(quantized, prompt):
 
     full = model(input_ids=out.sequences[:, :-1], use_cache=False).logits[0, prompt.shape[1] - 1 :].float().cpu()
 
-    assert_cache_parity("generate's cached logits diverge from a full forward", relative_error(full, stepwise))
+    assert_cache_parity("generate's cached logits diverge from a full forward", scenario.relative_error(full, stepwise))

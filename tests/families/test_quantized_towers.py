@@ -85,10 +85,6 @@ def audio_response(model) -> torch.Tensor:
     return tower(first, mask).last_hidden_state.float() - tower(second, mask).last_hidden_state.float()
 
 
-def relative_error(measured: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((measured - reference).norm() / reference.norm()).item()
-
-
 def bf16_response(response) -> torch.Tensor:
     reference = response(scenario.load_base(quantized=False))
     scenario.require(reference.norm() > 0, "the bf16 tower does not respond to its input")
@@ -107,7 +103,7 @@ def test_4bit_vision_tower_sees_the_image():
     response = vision_response(model)
 
     scenario.require(embedder_inputs, "the pixels never reached the 4-bit patch embedder")
-    error = relative_error(response, reference)
+    error = scenario.relative_error(response, reference)
     scenario.assert_within("the 4-bit vision tower loses the image: relative error of its response", error, RESPONSE_TOLERANCE)
 
 
@@ -118,7 +114,7 @@ def test_4bit_audio_tower_matches_bf16():
 
     response = audio_response(model)
 
-    error = relative_error(response, reference)
+    error = scenario.relative_error(response, reference)
     scenario.assert_within("the 4-bit audio tower diverges: relative error of its response", error, RESPONSE_TOLERANCE)
 
 
@@ -149,8 +145,8 @@ def test_skip_modules_keep_the_towers_in_bf16(spelling, prompt):
     ineffective = ineffective_skips(model, skips)
 
     assert not ineffective, f"llm_int8_skip_modules entries that keep nothing unquantized: {', '.join(ineffective)}"
-    assert relative_error(vision_response(model), bf16_response(vision_response)) == 0
-    assert relative_error(audio_response(model), bf16_response(audio_response)) == 0
+    assert scenario.relative_error(vision_response(model), bf16_response(vision_response)) == 0
+    assert scenario.relative_error(audio_response(model), bf16_response(audio_response)) == 0
     assert len(scenario.greedy(model, prompt)) == 6
 
 
