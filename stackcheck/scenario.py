@@ -232,6 +232,46 @@ def peft_load(base, adapter: str | Path, **kwargs):
     return PeftModel.from_pretrained(base, checkpoint, is_trainable=False, **kwargs)
 
 
+def image_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a random image, a grey one, patch positions) as Gemma 4's image processor lays them out: values in
+    [0, 1], one row of 3 * patch_size**2 values per patch, (x, y) positions. The tiny tower's patch is 4 pixels:
+    a 16 x 16 image is 4 x 4 patches, pooled to 4 soft tokens. Values stay clear of 0 and 1, which a uint8
+    cast would not zero."""
+    generator = torch.Generator().manual_seed(1)
+    image = (0.02 + 0.96 * torch.rand(1, 16, 48, generator=generator)).to(torch.bfloat16)
+    grey = torch.full_like(image, 0.5)
+    x, y = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy")
+    positions = torch.stack([x, y], dim=-1).reshape(1, 16, 2)
+    return image.to(main_device()), grey.to(main_device()), positions.to(main_device())
+
+
+def audio_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two random log-mel inputs and their mask: 48 frames of 8 bins (the tiny tower's two stride-2
+    convolutions need 8), 12 soft tokens each."""
+    generator = torch.Generator().manual_seed(2)
+    first, second = (torch.randn(1, 48, 8, generator=generator).to(torch.bfloat16) for _ in range(2))
+    return first.to(main_device()), second.to(main_device()), torch.ones(1, 48, dtype=torch.bool, device=main_device())
+
+
+IMAGE_SOFT_TOKENS, AUDIO_SOFT_TOKENS = 4, 12
+
+
+def training_batch(config, multimodal: bool = False) -> dict[str, torch.Tensor]:
+    """The fixed training batch as model kwargs. Multimodal: an image and an audio clip between the text
+    tokens, their soft-token positions left out of the loss."""
+    text = TRAINING_IDS[0]
+    if not multimodal:
+        ids = torch.tensor([text], device=main_device())
+        return {"input_ids": ids, "labels": ids}
+    media = [config.image_token_id] * IMAGE_SOFT_TOKENS + [config.audio_token_id] * AUDIO_SOFT_TOKENS
+    ids = torch.tensor([text[:4] + media + text[4:]], device=main_device())
+    labels = ids.masked_fill((ids == config.image_token_id) | (ids == config.audio_token_id), -100)
+    image, _grey, positions = image_inputs()
+    audio, _other, audio_mask = audio_inputs()
+    return {"input_ids": ids, "labels": labels, "pixel_values": image, "image_position_ids": positions,
+            "input_features": audio, "input_features_mask": audio_mask}
+
+
 def qlora_model(base, adapter: str = "language"):
     """The QLoRA recipe on `base`: `prepare_model_for_kbit_training` with its defaults, then a fresh LoRA on the
     adapter fixture's targets (`tiny.lora_config`), in training mode."""
@@ -242,13 +282,13 @@ def qlora_model(base, adapter: str = "language"):
     return model
 
 
-def train_steps(model, optimizer, steps: int) -> list[float]:
-    """`steps` optimizer steps on the fixed training batch; the loss of each."""
-    batch = torch.tensor(TRAINING_IDS, device=main_device())
+def train_steps(model, optimizer, steps: int, multimodal: bool = False) -> list[float]:
+    """`steps` optimizer steps on the fixed training batch (`training_batch`); the loss of each."""
+    batch = training_batch(model.config, multimodal)
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         losses.append(loss.item())

@@ -55,9 +55,8 @@ def lora_model(quantized: bool, prepare=lambda base: base):
 
 def lora_gradients(model) -> dict[str, torch.Tensor]:
     """The LoRA gradients of one forward and backward of the fixed batch."""
-    batch = torch.tensor(scenario.TRAINING_IDS, device=scenario.main_device())
     model.zero_grad()
-    model(input_ids=batch, labels=batch).loss.backward()
+    model(**scenario.training_batch(model.config)).loss.backward()
     return {name: torch.zeros_like(p, dtype=torch.float) if p.grad is None else p.grad.detach().float().clone()
             for name, p in model.named_parameters() if "lora_" in name}
 

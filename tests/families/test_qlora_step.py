@@ -13,6 +13,12 @@ learns wrong. The user-level contract of QLoRA, checked on a few optimizer steps
 Run with torch's AdamW and with the QLoRA paper's paged 8-bit AdamW. On the CPU, bitsandbytes before 0.50.0 has
 no optimizer kernels: the first step fails (bitsandbytes PR #1901 added them; paged falls back to non-paged).
 
+Run on the language adapter's targets with text, and on the seed user's setup: the towers' inner `.linear` too,
+with an image and an audio clip in the batch. There, PEFT's defaults checkpoint the vision encoder reentrantly
+and its LoRA gets no gradient at all (14 of 14 tensors; every one with non-reentrant checkpointing or none):
+our finding, `vision_tower_lora_reentrant_checkpointing`. On transformers < 5.11 the 4-bit audio tower crashes
+first (`audio_tower_finfo_uint8`).
+
 Measured on the tiny model (CPU, seed and latest, language targets, AdamW lr 1e-2): the loss falls from 7.38 to
 3.11 (seed) and 3.04 (latest) in 5 steps.
 
@@ -67,19 +73,25 @@ def whole_base(offload_dir):
 BASES = {"whole": whole_base, "split": lambda offload_dir: scenario.split_base(offload_dir)}
 
 
+# The language model's projections on text, and the seed user's setup: the towers' inner `.linear` too (the
+# documented workaround for Gemma4ClippableLinear), on a batch with an image and an audio clip.
+ADAPTERS = {"language": False, "inner_linear": True}
+
+
 @pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
 @pytest.mark.parametrize("base_name", BASES)
-def test_qlora_steps_learn_and_leave_the_4bit_base_untouched(base_name, optimizer_name, offload_dir):
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_qlora_steps_learn_and_leave_the_4bit_base_untouched(adapter, base_name, optimizer_name, offload_dir):
     base = BASES[base_name](offload_dir)
     scenario.first_nested_linear4bit(base)
-    config = tiny.lora_config("language")
+    config = tiny.lora_config(adapter)
     expected = expected_trainable(base, config.target_modules, config.r)
-    model = scenario.qlora_model(base)
+    model = scenario.qlora_model(base, adapter)
     before = frozen_state(model)
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
     start = {name: p.detach().clone() for name, p in trainable.items()}
 
-    losses = scenario.train_steps(model, OPTIMIZERS[optimizer_name](list(trainable.values()), lr=1e-2), STEPS)
+    losses = scenario.train_steps(model, OPTIMIZERS[optimizer_name](list(trainable.values()), lr=1e-2), STEPS, ADAPTERS[adapter])
 
     require_optimizer_moved(trainable, start)
     assert losses[-1] < losses[0], f"the loss did not decrease over {STEPS} steps: {losses}"

@@ -48,31 +48,9 @@ TOWER_SKIPS = {
 TOWERS = ("model.vision_tower", "model.audio_tower")
 
 
-def image_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(a random image, a grey one, patch positions) as Gemma 4's image processor lays them out: values in
-    [0, 1], one row of 3 * patch_size**2 values per patch, (x, y) positions. The tiny tower's patch is 4 pixels:
-    a 16 x 16 image is 4 x 4 patches. Values stay clear of 0 and 1, which the uint8 cast would not zero."""
-    device = scenario.main_device()
-    generator = torch.Generator().manual_seed(1)
-    image = (0.02 + 0.96 * torch.rand(1, 16, 48, generator=generator)).to(torch.bfloat16)
-    grey = torch.full_like(image, 0.5)
-    x, y = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy")
-    positions = torch.stack([x, y], dim=-1).reshape(1, 16, 2)
-    return image.to(device), grey.to(device), positions.to(device)
-
-
-def audio_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Two random log-mel inputs and their mask: 48 frames of 8 bins (the tiny tower's two stride-2
-    convolutions need 8)."""
-    device = scenario.main_device()
-    generator = torch.Generator().manual_seed(2)
-    first, second = (torch.randn(1, 48, 8, generator=generator).to(torch.bfloat16) for _ in range(2))
-    return first.to(device), second.to(device), torch.ones(1, 48, dtype=torch.bool, device=device)
-
-
 @torch.no_grad()
 def vision_response(model) -> torch.Tensor:
-    image, grey, positions = image_inputs()
+    image, grey, positions = scenario.image_inputs()
     tower = model.model.vision_tower
     return (tower(pixel_values=image, pixel_position_ids=positions).last_hidden_state.float()
             - tower(pixel_values=grey, pixel_position_ids=positions).last_hidden_state.float())
@@ -80,7 +58,7 @@ def vision_response(model) -> torch.Tensor:
 
 @torch.no_grad()
 def audio_response(model) -> torch.Tensor:
-    first, second, mask = audio_inputs()
+    first, second, mask = scenario.audio_inputs()
     tower = model.model.audio_tower
     return tower(first, mask).last_hidden_state.float() - tower(second, mask).last_hidden_state.float()
 
