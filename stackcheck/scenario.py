@@ -24,6 +24,10 @@ TRAINING_IDS = [PROMPT_IDS[0] + [3, 17, 99, 45]]
 # `model.multi_modal_projector`, which Gemma 4 does not have (from_pretrained accepts the stray key).
 SEED_USER_DEVICE_MAP = {"model.vision_tower": "cpu", "model.multi_modal_projector": "cpu", "model.audio_tower": "cpu", "": 0}
 SEED_SPLIT_DEVICE_MAP = {"model.vision_tower": "cpu", "model.audio_tower": "cpu", "": 0}
+TOWERS = ("model.vision_tower", "model.audio_tower")
+# The `llm_int8_skip_modules` that keeps the towers in bf16: the towers, their projectors (Gemma 4's
+# `embed_vision` and `embed_audio`) and, because any list replaces transformers' defaults, the tied head.
+TOWER_SKIP_MODULES = ["model.vision_tower", "model.embed_vision", "model.audio_tower", "model.embed_audio", "lm_head"]
 
 _lane_device = torch.device("cpu")
 
@@ -171,13 +175,13 @@ def quant_state_devices(module: torch.nn.Module) -> set[str]:
     return {t.device.type for t in quant_state_tensors(module.weight.quant_state)}
 
 
-def dispatch_with_offload(model, offload_dir: Path, offloaded_module: str):
-    """accelerate's `dispatch_model` as transformers calls it (with `skip_keys`): `offloaded_module` on the
+def dispatch_with_offload(model, offload_dir: Path, *offloaded_modules: str):
+    """accelerate's `dispatch_model` as transformers calls it (with `skip_keys`): `offloaded_modules` on the
     offload device, everything else on the main device."""
     from accelerate import dispatch_model
 
     main = main_device()
-    device_map = {offloaded_module: offload_device(main), "": device_key(main)}
+    device_map = {**dict.fromkeys(offloaded_modules, offload_device(main)), "": device_key(main)}
     return dispatch_model(
         model, device_map=device_map, offload_dir=str(offload_dir), skip_keys=model._skip_keys_device_placement
     )
@@ -208,6 +212,23 @@ def split_base(offload_dir: Path, quantized: bool = True, double_quant: bool = T
         require(not missing, f"the split device map names modules Gemma 4 does not have: {missing}")
     offloaded = {device for device in getattr(model, "hf_device_map", {}).values() if device in ("cpu", "disk")}
     require(offloaded and len(set(model.hf_device_map.values())) > 1, "the split base was not dispatched across devices")
+    return model
+
+
+def towers_offloaded_base(offload_dir: Path):
+    """The 4-bit base with its multimodal towers in bf16 and offloaded by accelerate, as the seed user's split
+    leaves them: the towers' weights wait on meta and their offload hooks bring them in for each forward.
+    GPU lane: `split_base` itself (the towers on the CPU). CPU lane: the towers kept in bf16 by
+    `TOWER_SKIP_MODULES`, offloaded one level down, to disk."""
+    if main_device().type == "cuda":
+        model = split_base(offload_dir)
+    else:
+        config = bnb_config()
+        config.llm_int8_skip_modules = TOWER_SKIP_MODULES
+        model = dispatch_with_offload(load_base(quantization_config=config), offload_dir, *TOWERS)
+    towers = dict(model.named_modules())
+    on_meta = [tower for tower in TOWERS if all(p.device.type == "meta" for p in towers[tower].parameters())]
+    require(on_meta == list(TOWERS), f"accelerate did not offload the towers (offloaded: {on_meta})")
     return model
 
 

@@ -17,7 +17,9 @@ Run on the language adapter's targets with text, and on the seed user's setup: t
 with an image and an audio clip in the batch. There, PEFT's defaults checkpoint the vision encoder reentrantly
 and its LoRA gets no gradient at all (14 of 14 tensors; every one with non-reentrant checkpointing or none):
 our finding, `vision_tower_lora_reentrant_checkpointing`. On transformers < 5.11 the 4-bit audio tower crashes
-first (`audio_tower_finfo_uint8`).
+first (`audio_tower_finfo_uint8`). On the split base, where accelerate offloads the towers, `get_peft_model`
+puts their LoRA weights on the meta device: the forward silently computes the LoRA branch as zeros and the
+backward fails (`lora_on_offloaded_layer_meta`, our finding; 20 of 96 LoRA tensors on meta: 14 in the vision tower, 6 in the audio tower).
 
 Measured on the tiny model (CPU, seed and latest, language targets, AdamW lr 1e-2): the loss falls from 7.38 to
 3.11 (seed) and 3.04 (latest) in 5 steps.
@@ -68,9 +70,9 @@ def whole_base(offload_dir):
     return scenario.load_base()
 
 
-# The base on one device, and split as the seed user split it (`scenario.split_base`: the towers on the CPU in
-# the GPU lane; the per-layer embedding table on disk in the CPU lane).
-BASES = {"whole": whole_base, "split": lambda offload_dir: scenario.split_base(offload_dir)}
+# The base on one device, and split as the seed user split it: the towers in bf16, offloaded by accelerate
+# (`scenario.towers_offloaded_base`: on the CPU in the GPU lane, on disk in the CPU lane).
+BASES = {"whole": whole_base, "split": scenario.towers_offloaded_base}
 
 
 # The language model's projections on text, and the seed user's setup: the towers' inner `.linear` too (the

@@ -37,15 +37,11 @@ import torch
 from stackcheck import scenario
 
 RESPONSE_TOLERANCE = 0.6
-# The working spelling: the towers, their projectors (Gemma 4's `embed_vision` and `embed_audio`) and, because
-# any list replaces transformers' defaults, the tied head.
-QUALIFIED_SKIPS = ["model.vision_tower", "model.embed_vision", "model.audio_tower", "model.embed_audio", "lm_head"]
 TOWER_SKIPS = {
     "seed_user": ["model.vision_tower", "model.multi_modal_projector", "model.audio_tower", "lm_head"],
     "bare_names": ["vision_tower", "embed_vision", "audio_tower", "embed_audio", "lm_head"],
-    "qualified": QUALIFIED_SKIPS,
+    "qualified": scenario.TOWER_SKIP_MODULES,  # the working spelling
 }
-TOWERS = ("model.vision_tower", "model.audio_tower")
 
 
 @torch.no_grad()
@@ -131,9 +127,9 @@ def test_skip_modules_keep_the_towers_in_bf16(spelling, prompt):
 def test_skip_modules_without_the_head_keep_text_generation(prompt):
     """The towers skipped the way that works, the head left out of the list as the defaults had it."""
     config = scenario.bnb_config()
-    config.llm_int8_skip_modules = list(TOWERS)
+    config.llm_int8_skip_modules = list(scenario.TOWERS)
     model = scenario.load_base(quantization_config=config)
-    scenario.require(not ineffective_skips(model, list(TOWERS)), "the towers were not kept in bf16")
+    scenario.require(not ineffective_skips(model, list(scenario.TOWERS)), "the towers were not kept in bf16")
     scenario.require(model.config.get_text_config().tie_word_embeddings, "the head is not tied to the embedding")
 
     assert len(scenario.greedy(model, prompt)) == 6

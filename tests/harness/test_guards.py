@@ -117,6 +117,12 @@ def test_redispatch_guards_fire_on_a_base_peft_does_not_redispatch(monkeypatch, 
         placement.redispatched_by_peft(False, tmp_path)
 
 
+def test_towers_offload_guard_fires_when_the_towers_stay_loaded(monkeypatch, tmp_path):
+    monkeypatch.setattr(scenario, "dispatch_with_offload", lambda model, offload_dir, *modules: model)
+    with pytest.raises(ScenarioNotReached, match="did not offload the towers"):
+        scenario.towers_offloaded_base(tmp_path)
+
+
 def test_cache_guard_fires_on_a_forward_that_returned_no_cache():
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
