@@ -69,7 +69,7 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json:
     import torch
 
     from stackcheck import bench, hostinfo
-    from stackcheck.plugin import installed_versions
+    from stackcheck.versions import installed_versions
 
     output_json["stackcheck"] = {
         "set": config.getoption("--stackcheck-set"),

@@ -142,7 +142,8 @@ def run_matrix(args) -> int:
         results.forget_cells(args.results, vset.name, lanes)  # a re-run replaces the set's cells in these lanes
         lane_started = time.monotonic()
         selection = [] if gpu else [CPU_LANE]
-        code = run_pytest(python, vset, ["tests/families"], ["-q", *selection, *args.pytest_args], args.results)
+        # Every set after the first loads the adapter the first one trained (stackcheck.exchange).
+        code = run_pytest(python, vset, ["tests/families"], ["-q", *selection, *args.pytest_args], args.results, sets[0].name)
         if code == 4:  # pytest's usage error: it printed the reason (a bad pytest argument, or the ledger)
             raise UsageError(f"set {vset.name}: pytest refused the run (its ERROR line above)")
         print(f"== set {vset.name}: pytest exit {code}, {'+'.join(lanes)} lanes {time.monotonic() - lane_started:.1f} s, "

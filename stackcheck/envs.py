@@ -124,7 +124,7 @@ def cuda_device() -> str:
 def versions_in(python: Path, vset: VersionSet) -> str:
     """The versions the environment really has, printed first by every session. An environment that cannot
     report them (its torch does not import) is as unusable as one that was not built: EnvBuildError."""
-    code = "from stackcheck.plugin import installed_versions as v; print(', '.join(f'{k} {x}' for k, x in v().items()))"
+    code = "from stackcheck.versions import installed_versions as v; print(', '.join(f'{k} {x}' for k, x in v().items()))"
     completed = subprocess.run(
         [str(python), "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
         env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),

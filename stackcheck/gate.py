@@ -144,7 +144,8 @@ def run(args) -> int:
     matrix.unlink(missing_ok=True)  # the comparison reads this run's cells only
     for vset in (baseline, candidate):
         print(f"== gate: {vset.name}", flush=True)
-        lane.run(vset, targets, matrix, args.find_links, args.no_index)
+        # The candidate loads the adapter the baseline trained, as a user does after upgrading.
+        lane.run(vset, targets, matrix, args.find_links, args.no_index, baseline=baseline.name)
     data = results.load(matrix)
     before, after = one_set(data, baseline.name), one_set(data, candidate.name)
     if args.bench:

@@ -58,14 +58,21 @@ def _nvidia_driver() -> str:
         return "unknown"
 
 
-def platform_facts() -> dict[str, str]:
-    import torch
-
+def cpu_facts() -> dict[str, str]:
+    """The OS and CPU facts, read without importing any library (`doctor` must answer instantly)."""
     model, flags = _cpuinfo()
-    facts = {
+    return {
         "os": platform.platform(),
         "cpu": model,
         "cpu_flags": " ".join(flag for flag in CPU_FLAGS if flag in flags) or "none of " + " ".join(CPU_FLAGS),
+    }
+
+
+def platform_facts() -> dict[str, str]:
+    import torch
+
+    facts = {
+        **cpu_facts(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "bnb_cpu_packed_path": bnb_cpu_packed_path(),
     }

@@ -18,11 +18,15 @@ CPU_LANE = "--stackcheck-lanes=cpu"
 CPU_LANE_ARGS = ["-q", "-p", "no:cacheprovider", CPU_LANE]
 
 
-def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[str], results_path: Path | None) -> int:
+def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[str], results_path: Path | None,
+               baseline: str | None = None) -> int:
+    """`baseline`: the set of this run whose trained adapter this set loads (stackcheck.exchange)."""
     # A family module that fails to import gets error cells; the other families still run.
     command = [str(python), "-m", "pytest", *targets, f"--stackcheck-set={vset.name}", "--continue-on-collection-errors", *extra]
     if results_path:
         command.append(f"--stackcheck-results={results_path}")
+    if baseline:
+        command.append(f"--stackcheck-baseline={baseline}")
     print("+", " ".join(command), flush=True)
     return subprocess.call(command, cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
 
@@ -82,7 +86,8 @@ def one_test(node_id: str) -> tuple[str, str]:
     return family, node_id
 
 
-def run(vset: VersionSet, targets: list[str], results_path: Path, find_links=(), no_index: bool = False) -> list[dict]:
+def run(vset: VersionSet, targets: list[str], results_path: Path, find_links=(), no_index: bool = False,
+        baseline: str | None = None) -> list[dict]:
     """Run `targets` for `vset` into results_path and return its cells. An environment that cannot be
     built gets an `error` cell in every family instead, as in the matrix."""
     check_ledger()
@@ -91,5 +96,5 @@ def run(vset: VersionSet, targets: list[str], results_path: Path, find_links=(),
     except envs.EnvBuildError as exc:
         record_unbuildable(results_path, vset, str(exc))
     else:
-        run_pytest(python, vset, targets, CPU_LANE_ARGS, results_path)
+        run_pytest(python, vset, targets, CPU_LANE_ARGS, results_path, baseline)
     return [c for c in results.load(results_path)["cells"] if c["set"] == vset.name]

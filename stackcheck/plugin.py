@@ -20,32 +20,20 @@ ones) through CUDA_VISIBLE_DEVICES, set before anything in the worker initialise
 from __future__ import annotations
 
 import os
-import platform
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-from stackcheck import REPO_ROOT, hostinfo, results, scenario
+from stackcheck import REPO_ROOT, exchange, hostinfo, results, scenario
 from stackcheck.ledger import (
     ERROR, FAMILIES_DIR, FIXED, KNOWN_BUG, NOT_AFFECTED, SKIPPED, Failure, Judgement, Ledger, LedgerError, family_modules,
 )
 from stackcheck.scenario import ScenarioNotReached
 from stackcheck.tiny import FixtureError
-from stackcheck.versions import PACKAGES
+from stackcheck.versions import installed_versions
 
 CELL_KEY = "stackcheck_cell"
 WORKER_GPU_KEY = "stackcheck_cuda_visible_devices"
-
-
-def installed_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for package in PACKAGES:
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = "absent"
-    return versions
 
 
 def family_of(nodeid: str) -> str | None:
@@ -67,6 +55,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--stackcheck-set", default="local", help="name of the version set under test")
     group.addoption("--stackcheck-results", default=None, help="matrix.json to record each cell in")
     group.addoption("--stackcheck-lanes", default=",".join(results.LANES), help="comma-separated lanes to run (cpu, gpu)")
+    group.addoption("--stackcheck-baseline", default=None,
+                    help="the set of this run whose trained adapter this set loads (stackcheck.exchange; needs --stackcheck-results)")
 
 
 def visible_gpus() -> list[str]:
@@ -143,6 +133,15 @@ def lane(request: pytest.FixtureRequest):
     scenario.use_lane(name)
     yield name
     scenario.use_lane("cpu")
+
+
+@pytest.fixture
+def adapter_exchange(request: pytest.FixtureRequest) -> exchange.AdapterExchange:
+    """Where this set leaves the adapter it trains, and finds its baseline's: beside the results file."""
+    config = request.config
+    path = config.getoption("--stackcheck-results")
+    return exchange.AdapterExchange(exchange.folder_beside(Path(path)) if path else None,
+                                    config.getoption("--stackcheck-set"), config.getoption("--stackcheck-baseline"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before -k/-m deselect: the ledger is checked against everything collected

@@ -107,13 +107,15 @@ def int8_config(fp32_cpu_offload: bool = False):
     return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=fp32_cpu_offload)
 
 
-def load_base(quantized: bool = True, double_quant: bool = True, device_map=None, **kwargs):
-    """The seed's `Gemma4ForConditionalGeneration.from_pretrained`, on the tiny checkpoint."""
+def load_base(quantized: bool = True, double_quant: bool = True, device_map=None, checkpoint: Path | None = None, **kwargs):
+    """The seed's `Gemma4ForConditionalGeneration.from_pretrained`, on the tiny checkpoint (or on `checkpoint`,
+    one that another set's transformers wrote)."""
     from transformers import Gemma4ForConditionalGeneration
 
     if device_map is None:
         device_map = {"": str(main_device())}
-    return load_pretrained(Gemma4ForConditionalGeneration, tiny.base_checkpoint(), quantized, double_quant, device_map, **kwargs)
+    checkpoint = checkpoint or tiny.base_checkpoint()
+    return load_pretrained(Gemma4ForConditionalGeneration, checkpoint, quantized, double_quant, device_map, **kwargs)
 
 
 def load_pretrained(model_class, checkpoint: Path, quantized: bool, double_quant: bool, device_map, **kwargs):

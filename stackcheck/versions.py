@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import platform
 import re
 import subprocess
 import sys
 import tomllib
 from dataclasses import dataclass, replace
+from importlib import metadata
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
@@ -17,6 +19,17 @@ SETS_FILE = Path(__file__).with_name("sets.toml")
 LIBRARIES = ("transformers", "peft", "accelerate", "bitsandbytes")
 PACKAGES = ("torch",) + LIBRARIES
 PIN_HELP = "NAME==VERSION, NAME@git+URL[@REF] or NAME=PATH (a wheel, sdist or source tree)"
+
+
+def installed_versions() -> dict[str, str]:
+    """Python's version and each package's, as the running interpreter has them ("absent" when missing)."""
+    versions = {"python": platform.python_version()}
+    for package in PACKAGES:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = "absent"
+    return versions
 
 
 class UsageError(Exception):
@@ -47,11 +60,16 @@ class VersionSet:
 
     @property
     def slug(self) -> str:
-        slug = re.sub(r"[^A-Za-z0-9_.+-]+", "_", self.name)
-        if len(slug) <= 100:
-            return slug
-        # Long names (git pins) differ at the end: keep them apart with a digest of the whole name.
-        return slug[:87] + "-" + hashlib.sha256(self.name.encode()).hexdigest()[:12]
+        return slug(self.name)
+
+
+def slug(set_name: str) -> str:
+    """A set's name as a file name."""
+    text = re.sub(r"[^A-Za-z0-9_.+-]+", "_", set_name)
+    if len(text) <= 100:
+        return text
+    # Long names (git pins) differ at the end: keep them apart with a digest of the whole name.
+    return text[:87] + "-" + hashlib.sha256(set_name.encode()).hexdigest()[:12]
 
 
 def _check_package(package: str, token: str) -> str:

@@ -18,7 +18,7 @@ with an image and an audio clip in the batch. There, PEFT's defaults checkpoint 
 and its LoRA gets no gradient at all (14 of 14 tensors; every one with non-reentrant checkpointing or none):
 our finding, `vision_tower_lora_reentrant_checkpointing`. On transformers < 5.11 the 4-bit audio tower crashes
 first (`audio_tower_finfo_uint8`). On the split base, where accelerate offloads the towers, `get_peft_model`
-puts their LoRA weights on the meta device: the forward silently computes the LoRA branch as zeros and the
+puts their LoRA weights on the meta device: the forward silently adds uninitialized memory for the LoRA branch and the
 backward fails (`lora_on_offloaded_layer_meta`, our finding; 20 of 96 LoRA tensors on meta: 14 in the vision tower, 6 in the audio tower).
 
 Measured on the tiny model (CPU, seed and latest, language targets, AdamW lr 1e-2): the loss falls from 7.38 to

@@ -12,7 +12,7 @@ from stackcheck import scenario
 from stackcheck.ledger import (
     ERROR, FIXED, KNOWN_BUG, LEDGER_FILE, NEW_FAILURE, NOT_AFFECTED, PASS, Failure, Ledger, LedgerError, Verdict, family_modules,
 )
-from stackcheck.plugin import installed_versions
+from stackcheck.versions import installed_versions
 from stackcheck.scenario import ScenarioNotReached
 
 KV_TEST = "test_generate_after_peft_redispatch_matches_undispatched[cpu-bf16]"

@@ -1,0 +1,84 @@
+"""The adapter exchange: each set of a run leaves the adapter it trained, with what it measured, for the sets
+after it; a candidate set loads its baseline's, as a user loads the adapter they trained before upgrading.
+
+The runner names the folder (beside the run's matrix.json) and the baseline: the gate's baseline for its
+candidate, the first set of a `matrix` run for the others. A set exports under `<folder>/<set slug>/`:
+`adapter/` (PEFT's `save_pretrained`), `outputs.safetensors` (the logits of the base and of the trained
+model on the prompt) and `export.json` (the set's versions, the greedy tokens, the base checkpoint the
+adapter was trained on, and the fingerprint of the family definitions it was trained under).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stackcheck import results
+from stackcheck.versions import slug
+
+FOLDER_NAME = "trained-adapters"
+
+
+def folder_beside(results_path: Path) -> Path:
+    return results_path.parent / FOLDER_NAME
+
+
+@dataclass(frozen=True)
+class Export:
+    """A set's trained adapter, as read back by a later set."""
+
+    set_name: str
+    versions: dict[str, str]
+    adapter: Path
+    base_checkpoint: Path
+    base_logits: torch.Tensor
+    trained_logits: torch.Tensor
+    trained_tokens: list[int]
+
+
+@dataclass(frozen=True)
+class AdapterExchange:
+    folder: Path | None  # None: this run exchanges nothing (a single set, no results file)
+    set_name: str
+    baseline: str | None
+
+    def export(self, adapter: Path, versions: dict[str, str], base_checkpoint: Path, base_logits: torch.Tensor,
+               trained_logits: torch.Tensor, trained_tokens: list[int]) -> None:
+        """Leave this set's trained adapter for the sets after it (nothing when the run exchanges nothing)."""
+        from safetensors.torch import save_file
+
+        if self.folder is None:
+            return
+        target = self.folder / slug(self.set_name)
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(adapter, target / "adapter")
+        save_file({"base": base_logits.contiguous(), "trained": trained_logits.contiguous()}, target / "outputs.safetensors")
+        (target / "export.json").write_text(json.dumps({
+            "set": self.set_name, "versions": versions, "base_checkpoint": str(base_checkpoint),
+            "trained_tokens": trained_tokens, "fingerprint": results.fingerprint(),
+        }, indent=2))
+
+    def baseline_export(self) -> Export | None:
+        """The baseline's export; None when this run names no baseline. Raises ExportMissing when it names one
+        that left no export made under the current family definitions."""
+        from safetensors.torch import load_file
+
+        if self.folder is None or self.baseline is None or self.baseline == self.set_name:
+            return None
+        source = self.folder / slug(self.baseline)
+        if not (source / "export.json").exists():
+            raise ExportMissing(f"set '{self.baseline}' left no trained adapter in {source}")
+        meta = json.loads((source / "export.json").read_text())
+        if meta["fingerprint"] != results.fingerprint():
+            raise ExportMissing(f"set '{self.baseline}' trained its adapter under other family definitions")
+        outputs = load_file(source / "outputs.safetensors")
+        return Export(meta["set"], meta["versions"], source / "adapter", Path(meta["base_checkpoint"]),
+                      outputs["base"], outputs["trained"], meta["trained_tokens"])
+
+
+class ExportMissing(Exception):
+    pass
