@@ -29,6 +29,7 @@ COMMANDS = {
     "bench": "VRAM and tokens/s of each set as ratios against a baseline (`-- --sets seed,latest --smoke`); writes results/bench.md.",
     "wheelhouse": "Download every wheel the sets need for an offline target (`-- --cuda 130 --host-freeze FILE`).",
     "versions": "Print each set's pins.",
+    "doctor": "Known bugs affecting an installed stack, and the changes that leave them: `-- [--python PATH] [--json]`.",
     "merge": "Merge per-job matrix.json files: `-- a/matrix.json b/matrix.json [--output results/matrix.json]`.",
     "bisect": "First release where a family flips: `-- accelerate --good 1.15.0 --bad 1.13.0 --family params4bit_kwargs`.",
     "gate": "Baseline set vs candidate set: `-- --set seed --with accelerate==1.14.0`; non-zero on a regression.",

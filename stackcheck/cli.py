@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, bench_compare, bench_report, bisect, envs, gate, results, wheelhouse
+from stackcheck import REPO_ROOT, bench_compare, bench_report, bisect, doctor, envs, gate, results, wheelhouse
 from stackcheck.lane import CPU_LANE, bench_set, check_ledger, record_unbuildable, run_pytest
 from stackcheck.ledger import LedgerError
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
@@ -102,6 +102,10 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--output", type=absolute_path, default=REPO_ROOT / "results" / "gate", help="folder for matrix.json and summary.md")
     gate.add_argument("--bench", choices=("smoke", "tiny", "realistic", "all"),
                       help="also compare the bench of both sets as ratios (smoke runs on the CPU)")
+
+    doctor = commands.add_parser("doctor", help="which known bugs affect an installed stack, and the smallest changes that leave them")
+    doctor.add_argument("--python", help="the interpreter whose packages to read (default: this one)")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
 
     merge = commands.add_parser("merge", help="merge per-job matrix.json files into one matrix.json and matrix.md")
     merge.add_argument("inputs", nargs="+", type=absolute_path, help="matrix.json files")
@@ -230,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "gate":
             check_folder_option("--output", args.output)
             return gate.run(args)
+        if args.command == "doctor":
+            return doctor.run(args)
         if args.command == "merge":
             check_file_option("--output", args.output)
             merged = results.merge_files(args.inputs, args.output)

@@ -20,6 +20,7 @@ from packaging.specifiers import InvalidSpecifier, Specifier, SpecifierSet
 from packaging.version import Version
 
 from stackcheck import REPO_ROOT
+from stackcheck.hostinfo import CPU_FLAGS
 from stackcheck.versions import PACKAGES
 
 LEDGER_FILE = Path(__file__).with_name("ledger.toml")
@@ -88,6 +89,7 @@ class Bug:
     upstream_status: str
     affected: dict[str, SpecifierSet]
     signature: Signature
+    cpu_flag: str | None = None  # shows only on a CPU with this extension (hostinfo.CPU_FLAGS)
 
     def affects(self, versions: dict[str, str]) -> bool:
         """True when every pinned constraint holds for the installed versions."""
@@ -195,7 +197,8 @@ def _keys(entry: object, where: str, required: set[str], optional: set[str] = fr
 
 def _parse_bug(bug_id: str, entry: object, packages: tuple[str, ...]) -> Bug:
     where = f"bugs.{bug_id}"
-    _keys(entry, where, {"summary", "links", "upstream_status", "affected", "signature"})
+    _keys(entry, where, {"summary", "links", "upstream_status", "affected", "signature"}, {"cpu_flag"})
+    _require(entry.get("cpu_flag") in (None, *CPU_FLAGS), where, f"cpu_flag must be one of {', '.join(CPU_FLAGS)}")
     _require(isinstance(entry["links"], list) and entry["links"] and all(isinstance(x, str) for x in entry["links"]), where, "links must be a non-empty list of strings")
     affected = {}
     for package, spec in _keys(entry["affected"], f"{where}.affected", set(), set(packages)).items():
@@ -215,7 +218,7 @@ def _parse_bug(bug_id: str, entry: object, packages: tuple[str, ...]) -> Bug:
                  where, "signature.band must be [low, high] with low <= high")
         band = (float(band[0]), float(band[1]))
     signature = Signature(sig["exception"], sig["message"], sig["frame"], band)
-    return Bug(bug_id, entry["summary"], tuple(entry["links"]), entry["upstream_status"], affected, signature)
+    return Bug(bug_id, entry["summary"], tuple(entry["links"]), entry["upstream_status"], affected, signature, entry.get("cpu_flag"))
 
 
 class Ledger:

@@ -18,6 +18,7 @@ from packaging.version import InvalidVersion, Version
 SETS_FILE = Path(__file__).with_name("sets.toml")
 LIBRARIES = ("transformers", "peft", "accelerate", "bitsandbytes")
 PACKAGES = ("torch",) + LIBRARIES
+CURRENT_SET = "current"  # not in sets.toml: the libraries this interpreter has installed
 PIN_HELP = "NAME==VERSION, NAME@git+URL[@REF] or NAME=PATH (a wheel, sdist or source tree)"
 
 
@@ -119,9 +120,12 @@ def resolve(names: list[str] | None = None, overrides: list[str] | None = None) 
     known, _default = load_sets()
     chosen = []
     for name in names or list(known):
-        if name not in known:
-            raise UsageError(f"unknown set '{name}' (valid sets: {', '.join(known)})")
-        chosen.append(known[name])
+        if name == CURRENT_SET:
+            chosen.append(current_set())
+        elif name not in known:
+            raise UsageError(f"unknown set '{name}' (valid sets: {', '.join([*known, CURRENT_SET])})")
+        else:
+            chosen.append(known[name])
     pins = [parse_pin(token) for token in overrides or []]
     if not pins:
         return chosen
@@ -133,6 +137,16 @@ def resolve(names: list[str] | None = None, overrides: list[str] | None = None) 
         )
         for vset in chosen
     ]
+
+
+def current_set() -> VersionSet:
+    """The libraries installed in this interpreter, pinned: `doctor`'s claims verified on the user's own stack."""
+    installed = installed_versions()
+    missing = [lib for lib in LIBRARIES if installed[lib] == "absent"]
+    if missing:
+        raise UsageError(f"set '{CURRENT_SET}': this Python ({sys.executable}) has no {', '.join(missing)} installed")
+    pins = {lib: parse_pin(f"{lib}=={installed[lib]}") for lib in LIBRARIES}
+    return VersionSet(CURRENT_SET, pins, f"the libraries installed in {sys.executable}")
 
 
 def default_set() -> VersionSet:

@@ -1,0 +1,151 @@
+"""`stackcheck doctor`: which known bugs affect an installed stack, read from the ledger alone.
+
+No model is built and no library is imported: the installed versions come from package metadata (of this
+interpreter, or of `--python`'s), the CPU facts from /proc/cpuinfo, so it answers in well under a second,
+offline. For each bug whose `affected` range holds, it names the changes of one package that leave the range
+(the ledger's bounds: an upgrade past an upper bound, a downgrade below a lower bound), and says what each
+upgrade brings in from the rest of the ledger. `diagnose` is a pure function of the ledger and the versions.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import asdict, dataclass
+
+from packaging.specifiers import Specifier
+
+from stackcheck import hostinfo
+from stackcheck.ledger import Bug, Ledger
+from stackcheck.versions import CURRENT_SET, LIBRARIES, PACKAGES, UsageError, installed_versions
+
+
+
+@dataclass(frozen=True)
+class Remedy:
+    package: str
+    requirement: str  # a PEP 440 specifier that leaves the bug's range, e.g. ">=1.14.0"
+    upgrade: bool
+    brings_in: tuple[str, ...] = ()  # bugs the boundary release of an upgrade has that this install has not
+
+    def __str__(self) -> str:
+        change = f"{'upgrade' if self.upgrade else 'downgrade'} {self.package} to {self.requirement}"
+        return change + (f" (brings in {', '.join(self.brings_in)})" if self.brings_in else "")
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    bug: str
+    summary: str
+    families: tuple[str, ...]
+    links: tuple[str, ...]
+    affected: str
+    remedies: tuple[Remedy, ...]
+    cpu_flag: str | None
+
+    @property
+    def on_this_cpu(self) -> str:
+        return f", on a CPU with {self.cpu_flag} such as this one" if self.cpu_flag else ""
+
+    @property
+    def fixed_in_a_release(self) -> bool:
+        return any(remedy.upgrade for remedy in self.remedies)
+
+
+def _leaving(spec: Specifier) -> tuple[str, bool] | None:
+    """The specifier that leaves `spec`'s side of the range, and whether that is an upgrade."""
+    flipped = {"<": (">=", True), "<=": (">", True), ">=": ("<", False), ">": ("<=", False)}
+    if spec.operator not in flipped:
+        return None
+    operator, upgrade = flipped[spec.operator]
+    return f"{operator}{spec.version}", upgrade
+
+
+def remedies(bug: Bug, versions: dict[str, str], ledger: Ledger) -> list[Remedy]:
+    """Each single-package change that takes the install out of `bug`'s affected range, upgrades first."""
+    found = []
+    for package, specifiers in bug.affected.items():
+        for spec in specifiers:
+            if (leaving := _leaving(spec)) is None:
+                continue
+            requirement, upgrade = leaving
+            brings_in = ()
+            if upgrade and requirement.startswith(">="):
+                upgraded = {**versions, package: requirement.removeprefix(">=")}
+                brings_in = tuple(sorted(b.id for b in ledger.bugs.values() if b.affects(upgraded) and not b.affects(versions)))
+            found.append(Remedy(package, requirement, upgrade, brings_in))
+    return sorted(found, key=lambda r: (not r.upgrade, r.package))
+
+
+def diagnose(ledger: Ledger, versions: dict[str, str], cpu_flags: str) -> list[Diagnosis]:
+    """The ledger's bugs that affect `versions` on a CPU with `cpu_flags`, each with its families and remedies."""
+    diagnoses = []
+    for bug in ledger.bugs.values():
+        if not bug.affects(versions) or (bug.cpu_flag and bug.cpu_flag not in cpu_flags.split()):
+            continue
+        families = tuple(family.id for family in ledger.families.values() if any(b.id == bug.id for b, _ in family.bugs))
+        diagnoses.append(Diagnosis(bug.id, bug.summary, families, bug.links, bug.describe_range(),
+                                   tuple(remedies(bug, versions, ledger)), bug.cpu_flag))
+    return diagnoses
+
+
+def versions_of(python: str | None) -> dict[str, str]:
+    """The installed versions of this interpreter, or of the interpreter at `python`."""
+    if python is None:
+        return installed_versions()
+    code = ("import importlib.metadata as m, json, platform; v = {'python': platform.python_version()}\n"
+            f"for p in {PACKAGES!r}:\n"
+            "    try: v[p] = m.version(p)\n"
+            "    except m.PackageNotFoundError: v[p] = 'absent'\n"
+            "print(json.dumps(v))")
+    try:
+        completed = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30)
+    except OSError as exc:
+        raise UsageError(f"--python {python}: cannot run it ({exc.strerror})") from None
+    if completed.returncode != 0:
+        raise UsageError(f"--python {python}: it cannot report its packages ({(completed.stderr.strip().splitlines() or ['?'])[-1]})")
+    return json.loads(completed.stdout)
+
+
+def verify_command(versions: dict[str, str], other_interpreter: bool) -> str:
+    """The matrix run that checks the claims for real: on the `current` set, or with another interpreter's pins."""
+    if not other_interpreter:
+        return f"python -m stackcheck matrix --sets {CURRENT_SET}"
+    pins = " ".join(f"--with {p}=={versions[p]}" for p in LIBRARIES if versions.get(p, "absent") != "absent")
+    return f"python -m stackcheck matrix --sets seed {pins}"
+
+
+def report(versions: dict[str, str], facts: dict[str, str], diagnoses: list[Diagnosis], verify: str) -> dict:
+    return {"versions": versions, "platform": facts, "verify": verify,
+            "bugs": [dict(asdict(d), fixed_in_a_release=d.fixed_in_a_release) for d in diagnoses]}
+
+
+def render(versions: dict[str, str], facts: dict[str, str], diagnoses: list[Diagnosis], verify: str) -> str:
+    lines = ["stackcheck doctor: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+             "platform: " + ", ".join(f"{k} {v}" for k, v in facts.items()), ""]
+    if not diagnoses:
+        lines.append("No known bug of the ledger affects this install.")
+    fixed = [d for d in diagnoses if d.fixed_in_a_release]
+    unfixed = [d for d in diagnoses if not d.fixed_in_a_release]
+    for title, group in ((f"{len(fixed)} known bugs affect this install, and a release leaves them:", fixed),
+                         (f"{len(unfixed)} known bugs affect this install, and no release fixes them yet:", unfixed)):
+        if not group:
+            continue
+        lines.append(title)
+        for d in group:
+            lines.append(f"- {d.bug} [{', '.join(d.families)}]: affects {d.affected}{d.on_this_cpu}")
+            lines += [f"    {remedy}" for remedy in d.remedies]
+            lines.append(f"    {d.links[0]}")
+        lines.append("")
+    lines.append(f"Verify these claims on this install: {verify}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    """The `doctor` command: 1 when a known bug affects the install (for CI), 0 when none does."""
+    versions = versions_of(args.python)
+    facts = hostinfo.cpu_facts()
+    diagnoses = diagnose(Ledger(), versions, facts["cpu_flags"])
+    verify = verify_command(versions, args.python is not None)
+    print(json.dumps(report(versions, facts, diagnoses, verify), indent=2) if args.json else render(versions, facts, diagnoses, verify))
+    return 1 if diagnoses else 0

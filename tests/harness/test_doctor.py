@@ -1,0 +1,69 @@
+"""`doctor` reads the ledger against an installed stack: which bugs affect it, what change of one package
+leaves each, and what an upgrade brings in. No model, no library import: the seed set's versions stand in
+for an install."""
+
+import json
+import sys
+
+import pytest
+
+from stackcheck import cli, doctor, versions
+from stackcheck.ledger import Ledger
+from tests.harness.test_usage_errors import one_usage_line
+
+SEED = {"python": "3.12.0", "torch": "2.11.0", **{lib: pin.version for lib, pin in versions.load_sets()[0]["seed"].pins.items()}}
+AVX512_BF16 = "avx2 avx512f avx512_bf16"
+
+
+def diagnosed(cpu_flags: str = AVX512_BF16, installed: dict = SEED) -> dict[str, doctor.Diagnosis]:
+    return {d.bug: d for d in doctor.diagnose(Ledger(), installed, cpu_flags)}
+
+
+def test_a_bug_lists_the_single_package_changes_that_leave_its_range_upgrades_first():
+    remedies = [str(r) for r in diagnosed()["params4bit_kwargs"].remedies]
+    assert remedies[:2] == ["upgrade accelerate to >=1.14.0", "upgrade bitsandbytes to >=0.50.0"]
+    assert "downgrade transformers to <5.0.0rc0" in remedies
+
+
+def test_an_upgrade_names_the_known_bugs_it_brings_in():
+    (upgrade,) = [r for r in diagnosed()["shared_kv_redispatch"].remedies if r.upgrade]
+    assert (upgrade.package, upgrade.requirement) == ("transformers", ">=5.23.0") and "sdpa_audio_tower" in upgrade.brings_in
+
+
+def test_bugs_no_release_fixes_are_told_apart():
+    found = diagnosed()
+    assert found["bnb_optimizers_cpu"].fixed_in_a_release
+    assert not found["lora_on_offloaded_layer_meta"].fixed_in_a_release and not found["lora_on_offloaded_layer_meta"].remedies
+
+
+def test_a_cpu_bound_bug_shows_only_on_its_cpu():
+    assert "bnb_cpu_packed_out_features" in diagnosed(AVX512_BF16)
+    assert "bnb_cpu_packed_out_features" not in diagnosed("avx2 avx512f")
+
+
+def test_the_latest_releases_leave_the_fixed_bugs():
+    latest = {**SEED, **{lib: pin.version for lib, pin in versions.load_sets()[0]["latest"].pins.items()}}
+    assert not [d.bug for d in diagnosed(installed=latest).values() if d.fixed_in_a_release]
+
+
+def test_doctor_exits_1_on_an_affected_install_with_a_json_report(capsys):
+    assert cli.main(["doctor", "--python", sys.executable, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["versions"]["python"] and report["bugs"] and report["verify"].startswith("python -m stackcheck matrix")
+
+
+@pytest.mark.parametrize("python, message", [
+    ("/no/such/python", "cannot run it"),
+    ("/bin/false", "cannot report its packages"),
+])
+def test_an_interpreter_doctor_cannot_read_is_one_line(python, message, capsys):
+    assert message in one_usage_line(cli.main(["doctor", "--python", python]), capsys)
+
+
+def test_the_current_set_pins_what_this_interpreter_has(monkeypatch):
+    monkeypatch.setattr(versions, "installed_versions", lambda: dict(SEED))
+    (current,) = versions.resolve([versions.CURRENT_SET])
+    assert {lib: str(pin) for lib, pin in current.pins.items()} == {lib: SEED[lib] for lib in versions.LIBRARIES}
+    monkeypatch.setattr(versions, "installed_versions", lambda: dict(SEED, peft="absent"))
+    with pytest.raises(versions.UsageError, match="has no peft installed"):
+        versions.resolve([versions.CURRENT_SET])
