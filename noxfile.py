@@ -30,6 +30,7 @@ COMMANDS = {
     "wheelhouse": "Download every wheel the sets need for an offline target (`-- --cuda 130 --host-freeze FILE`).",
     "versions": "Print each set's pins.",
     "doctor": "Known bugs affecting an installed stack, and the changes that leave them: `-- [--python PATH] [--json]`.",
+    "scan": "Preflight a model folder (+ adapter folder) on meta: `-- MODEL [ADAPTER] [--device-map J] [--quantization J]`.",
     "merge": "Merge per-job matrix.json files: `-- a/matrix.json b/matrix.json [--output results/matrix.json]`.",
     "bisect": "First release where a family flips: `-- accelerate --good 1.15.0 --bad 1.13.0 --family params4bit_kwargs`.",
     "gate": "Baseline set vs candidate set: `-- --set seed --with accelerate==1.14.0`; non-zero on a regression.",

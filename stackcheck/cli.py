@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, bench_compare, bench_report, bisect, doctor, envs, gate, results, wheelhouse
+from stackcheck import REPO_ROOT, bench_compare, bench_report, bisect, doctor, envs, gate, results, scan, wheelhouse
 from stackcheck.lane import CPU_LANE, bench_set, check_ledger, record_unbuildable, run_pytest
 from stackcheck.ledger import LedgerError
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
@@ -106,6 +106,14 @@ def _parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="which known bugs affect an installed stack, and the smallest changes that leave them")
     doctor.add_argument("--python", help="the interpreter whose packages to read (default: this one)")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    scan = commands.add_parser("scan", help="preflight a model folder (and adapter folder) on the meta device")
+    scan.add_argument("model", type=absolute_path, help="folder with the model's config.json (no weights are read)")
+    scan.add_argument("adapter", type=absolute_path, nargs="?", help="folder with an adapter_config.json")
+    scan.add_argument("--device-map", help="the device_map, as JSON or a .json file")
+    scan.add_argument("--max-memory", help="max_memory, as JSON or a .json file (without --device-map: accelerate's 'auto' map)")
+    scan.add_argument("--quantization", help="BitsAndBytesConfig arguments, as JSON or a .json file")
+    scan.add_argument("--json", action="store_true", help="print the report as JSON")
 
     merge = commands.add_parser("merge", help="merge per-job matrix.json files into one matrix.json and matrix.md")
     merge.add_argument("inputs", nargs="+", type=absolute_path, help="matrix.json files")
@@ -236,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             return gate.run(args)
         if args.command == "doctor":
             return doctor.run(args)
+        if args.command == "scan":
+            return scan.run(args)
         if args.command == "merge":
             check_file_option("--output", args.output)
             merged = results.merge_files(args.inputs, args.output)

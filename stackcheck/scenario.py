@@ -150,6 +150,20 @@ def linear4bit_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
 
 
+def ineffective_skips(model, skip_modules: list[str]) -> list[str]:
+    """The `llm_int8_skip_modules` entries that keep nothing unquantized of what they name, read as a user reads
+    them: a module's full name or its trailing dotted part (`vision_tower` names `model.vision_tower`)."""
+    modules = dict(model.named_modules())
+    quantized = linear4bit_modules(model)
+    ineffective = []
+    for entry in skip_modules:
+        named = [name for name in modules if name == entry or name.endswith("." + entry)]
+        still_4bit = [q for q in quantized for name in named if q == name or q.startswith(name + ".")]
+        if not named or still_4bit:
+            ineffective.append(entry)
+    return ineffective
+
+
 def require_linear4bit_under(model: torch.nn.Module, prefix: str) -> None:
     layers = [name for name in linear4bit_modules(model) if name.startswith(prefix + ".")]
     require(layers, f"{prefix} holds no bnb Linear4bit: it was not quantized")

@@ -92,20 +92,6 @@ def test_4bit_audio_tower_matches_bf16():
     scenario.assert_within("the 4-bit audio tower diverges: relative error of its response", error, RESPONSE_TOLERANCE)
 
 
-def ineffective_skips(model, skip_modules: list[str]) -> list[str]:
-    """The entries that keep nothing unquantized of what they name, read as a user reads them: a module's
-    full name or its trailing dotted part (`vision_tower` names `model.vision_tower`)."""
-    modules = dict(model.named_modules())
-    quantized = scenario.linear4bit_modules(model)
-    ineffective = []
-    for entry in skip_modules:
-        named = [name for name in modules if name == entry or name.endswith("." + entry)]
-        still_4bit = [q for q in quantized for name in named if q == name or q.startswith(name + ".")]
-        if not named or still_4bit:
-            ineffective.append(entry)
-    return ineffective
-
-
 @pytest.mark.parametrize("spelling", TOWER_SKIPS)
 def test_skip_modules_keep_the_towers_in_bf16(spelling, prompt):
     """The user's workaround: the towers listed in `llm_int8_skip_modules` stay bf16 and answer exactly as
@@ -116,7 +102,7 @@ def test_skip_modules_keep_the_towers_in_bf16(spelling, prompt):
     model = scenario.load_base(quantization_config=config)
     scenario.require_linear4bit_under(model, "model.language_model")
 
-    ineffective = ineffective_skips(model, skips)
+    ineffective = scenario.ineffective_skips(model, skips)
 
     assert not ineffective, f"llm_int8_skip_modules entries that keep nothing unquantized: {', '.join(ineffective)}"
     assert scenario.relative_error(vision_response(model), bf16_response(vision_response)) == 0
@@ -129,7 +115,7 @@ def test_skip_modules_without_the_head_keep_text_generation(prompt):
     config = scenario.bnb_config()
     config.llm_int8_skip_modules = list(scenario.TOWERS)
     model = scenario.load_base(quantization_config=config)
-    scenario.require(not ineffective_skips(model, list(scenario.TOWERS)), "the towers were not kept in bf16")
+    scenario.require(not scenario.ineffective_skips(model, list(scenario.TOWERS)), "the towers were not kept in bf16")
     scenario.require(model.config.get_text_config().tie_word_embeddings, "the head is not tied to the embedding")
 
     assert len(scenario.greedy(model, prompt)) == 6

@@ -102,7 +102,7 @@ def test_patch_embedder_guard_fires_when_the_pixels_never_reach_it(monkeypatch):
 
 def test_skip_list_reading_matches_what_users_mean():
     model = scenario.load_base()
-    skips = family("quantized_towers").ineffective_skips
+    skips = scenario.ineffective_skips
     assert skips(model, ["vision_tower", "model.multi_modal_projector", "lm_head"]) == ["vision_tower", "model.multi_modal_projector"]
     assert skips(scenario.load_base(quantized=False), ["vision_tower", "model.audio_tower"]) == []
 

@@ -1,0 +1,233 @@
+"""`stackcheck scan MODEL [ADAPTER]`: a preflight of a user's model folder and adapter, on the meta device.
+
+The model is built from its `config.json` on meta (no weights are read), quantized the way `from_pretrained`
+would (transformers' own quantizer, from the `--quantization` JSON of a BitsAndBytesConfig), and read for what
+breaks the seed user's stack before any download or load: device-map keys that name no module, skip-list
+entries that keep nothing, LoRA targets on wrapper types PEFT rejects (asked of PEFT itself), 4-bit layers the
+device map puts on a CPU whose bitsandbytes packed path rejects their widths, Gemma 4's KV sharing across the
+map's devices, and the ledger's known bugs for the installed versions (`doctor`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from stackcheck import doctor, hostinfo
+from stackcheck.ledger import Ledger
+from stackcheck.versions import UsageError, installed_versions
+
+# bitsandbytes' packed AVX512-BF16 CPU path (the bnb_cpu_packed_width family) packs the output rows in
+# blocks of 32 and reshapes the absmax per 64-wide input block.
+PACKED_OUT_BLOCK, PACKED_IN_BLOCK = 32, 64
+PACKED_PATH_BUGS = ("bnb_cpu_packed_out_features", "bnb_cpu_packed_in_features")
+
+
+@dataclass
+class Scan:
+    model: str
+    architecture: str
+    findings: dict[str, list[str]] = field(default_factory=dict)  # problem kind -> one line per problem
+    quantization: dict[str, dict[str, int]] = field(default_factory=dict)  # top-level part -> {module type: count}
+    lora_targets: dict[str, int] = field(default_factory=dict)  # module type -> target hits
+    kv_sharing: dict[str, object] = field(default_factory=dict)
+    known_bugs: list[str] = field(default_factory=list)
+
+    def add(self, kind: str, problem: str) -> None:
+        self.findings.setdefault(kind, []).append(problem)
+
+
+def read_json_option(option: str, text: str | None):
+    """A JSON option given inline or as a path to a .json file; one line and exit 2 when malformed."""
+    if text is None:
+        return None
+    source = Path(text).expanduser()
+    try:
+        return json.loads(source.read_text() if source.suffix == ".json" and source.is_file() else text)
+    except (json.JSONDecodeError, OSError) as exc:
+        raise UsageError(f"{option}: not JSON ({exc})") from None
+
+
+def read_folder(option: str, folder: Path, file_name: str) -> dict:
+    path = folder / file_name
+    if not folder.is_dir():
+        raise UsageError(f"{option} {folder}: no such folder")
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{option} {folder}: it has no {file_name}") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path}: not JSON ({exc})") from None
+
+
+def build_on_meta(model_dir: Path, config_data: dict):
+    """The model of `model_dir` built from its config on the meta device, with the class its config names."""
+    import torch
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UsageError(f"{model_dir}/config.json: transformers cannot read it ({exc})") from None
+    architecture = (config_data.get("architectures") or [None])[0]
+    model_class = getattr(transformers, architecture, None) if architecture else None
+    with torch.device("meta"):
+        model = model_class(config) if model_class else transformers.AutoModel.from_config(config)
+    return model, type(model).__name__
+
+
+def quantize_on_meta(model, quantization: dict, device_map: dict | None):
+    """transformers' bitsandbytes quantizer prepares the meta model as `from_pretrained` would."""
+    from transformers import BitsAndBytesConfig
+    from transformers.quantizers import AutoHfQuantizer
+
+    try:
+        config = BitsAndBytesConfig(**quantization)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--quantization: not a BitsAndBytesConfig ({exc})") from None
+    AutoHfQuantizer.from_config(config, pre_quantized=False).preprocess_model(model, device_map=device_map)
+    return config
+
+
+def module_device(name: str, device_map: dict) -> object:
+    """The device `device_map` gives module `name`: its longest matching key's."""
+    keys = [key for key in device_map if key == "" or name == key or name.startswith(key + ".")]
+    return device_map[max(keys, key=len)] if keys else None
+
+
+def check_device_map(scan: Scan, model, device_map: dict) -> None:
+    from stackcheck import scenario
+
+    for key in scenario.missing_device_map_keys(model, {k: v for k, v in device_map.items() if k}):
+        scan.add("device_map_key_names_no_module", f"'{key}' names no module of {scan.architecture}: accelerate ignores it")
+
+
+def check_quantization(scan: Scan, model, config, device_map: dict | None, versions: dict[str, str], cpu_flags: str) -> None:
+    from stackcheck import scenario
+
+    quantized = scenario.linear4bit_modules(model)
+    per_part: dict[str, Counter] = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ in ("Linear", "Linear4bit", "Linear8bitLt"):
+            per_part.setdefault(".".join(name.split(".")[:2]), Counter())[type(module).__name__] += 1
+    scan.quantization = {part: dict(types) for part, types in per_part.items()}
+    for entry in scenario.ineffective_skips(model, list(config.llm_int8_skip_modules or [])):
+        scan.add("skip_module_keeps_nothing", f"llm_int8_skip_modules entry '{entry}' keeps nothing unquantized")
+    packed = [d for d in doctor.diagnose(Ledger(), versions, cpu_flags) if d.bug in PACKED_PATH_BUGS]
+    if not packed or device_map is None:
+        return
+    rejected: dict[tuple[int, int], list[str]] = {}
+    for name, module in quantized.items():
+        if module_device(name, device_map) == "cpu" and (module.out_features % PACKED_OUT_BLOCK or module.in_features % PACKED_IN_BLOCK):
+            rejected.setdefault((module.in_features, module.out_features), []).append(name)
+    for (in_features, out_features), names in rejected.items():
+        scan.add("cpu_packed_path_rejects_width", f"{len(names)} 4-bit layers {in_features} -> {out_features} on this avx512_bf16 "
+                 f"CPU (e.g. {names[0]}): bitsandbytes' packed path needs in % {PACKED_IN_BLOCK} and out % {PACKED_OUT_BLOCK}")
+
+
+def rejected_by_peft(module, lora_config) -> str | None:
+    """PEFT's own answer for one module: the error injecting a LoRA into it raises, or None when it takes it. The
+    LoRA wraps the module inside a holder of its own, so the scanned model keeps its modules."""
+    import torch
+    from peft import LoraConfig, inject_adapter_in_model
+
+    holder = torch.nn.Module()
+    holder.target = module
+    try:
+        inject_adapter_in_model(LoraConfig(r=lora_config.r, target_modules=["target"]), holder)
+    except ValueError as exc:  # PEFT prints the whole module in its message: name its type instead
+        return " ".join(str(exc).replace(str(module), type(module).__name__).split())[:200]
+    return None
+
+
+def check_lora_targets(scan: Scan, model, adapter_config: dict) -> None:
+    import torch
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    fields = {k: v for k, v in adapter_config.items() if k in ("r", "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")}
+    lora_config = LoraConfig(**fields)
+    hits = {name: module for name, module in model.named_modules() if name and check_target_module_exists(lora_config, name)}
+    scan.lora_targets = dict(Counter(type(m).__name__ for m in hits.values()))
+    first_of_type = {}
+    for name, module in hits.items():
+        first_of_type.setdefault(type(module).__name__, (name, module))
+    for type_name, (name, module) in first_of_type.items():
+        reason = rejected_by_peft(module, lora_config)
+        if reason is None:
+            continue
+        inner = isinstance(getattr(module, "linear", None), torch.nn.Module)
+        hint = f"; target its inner `.linear` instead (e.g. '{name.split('.')[-1]}.linear')" if inner else ""
+        scan.add("lora_target_rejected_by_peft", f"{scan.lora_targets[type_name]} targets are {type_name}: {reason}{hint}")
+
+
+def check_kv_sharing(scan: Scan, model, device_map: dict | None) -> None:
+    """Gemma 4: which layers store the K/V the shared layers read, and whether the map splits them apart."""
+    layers = [m for name, m in model.named_modules() if name.endswith("language_model.layers")]
+    if not layers:
+        return
+    names = {id(m): name for name, m in model.named_modules()}
+    attention = [(index, layer.self_attn) for index, layer in enumerate(layers[0])]
+    stores = [i for i, a in attention if getattr(a, "store_full_length_kv", False)]
+    shared = [i for i, a in attention if getattr(a, "is_kv_shared_layer", False)]
+    if not shared:
+        return
+    scan.kv_sharing = {"shared_layers": f"{shared[0]}-{shared[-1]}", "stored_by": stores}
+    if device_map:
+        devices = {str(module_device(names[id(layers[0][i])], device_map)) for i in stores + shared}
+        if len(devices) > 1:
+            scan.add("kv_sharing_across_devices", f"the map puts KV-storing layers {stores} and the shared layers "
+                     f"{shared[0]}-{shared[-1]} on {', '.join(sorted(devices))}: the shared_kv_redispatch family's scenario")
+
+
+def run(args) -> int:
+    """The `scan` command: 1 when it finds a problem or a known bug affects the install, 0 otherwise."""
+    config_data = read_folder("MODEL", args.model, "config.json")
+    adapter_config = read_folder("ADAPTER", args.adapter, "adapter_config.json") if args.adapter else None
+    device_map = read_json_option("--device-map", args.device_map)
+    max_memory = read_json_option("--max-memory", args.max_memory)
+    quantization = read_json_option("--quantization", args.quantization)
+    for option, value in (("--device-map", device_map), ("--max-memory", max_memory), ("--quantization", quantization)):
+        if value is not None and not isinstance(value, dict):
+            raise UsageError(f"{option}: expected a JSON object, got {type(value).__name__}")
+    versions, cpu_flags = installed_versions(), hostinfo.cpu_facts()["cpu_flags"]
+    model, architecture = build_on_meta(args.model, config_data)
+    scan = Scan(str(args.model), architecture)
+    if device_map is None and max_memory is not None:
+        from accelerate import infer_auto_device_map
+
+        device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=model._no_split_modules)
+    if device_map:
+        check_device_map(scan, model, device_map)
+    if quantization is not None:
+        check_quantization(scan, model, quantize_on_meta(model, quantization, device_map), device_map, versions, cpu_flags)
+    if adapter_config is not None:
+        check_lora_targets(scan, model, adapter_config)
+    check_kv_sharing(scan, model, device_map)
+    scan.known_bugs = [d.bug for d in doctor.diagnose(Ledger(), versions, cpu_flags)]
+    print(json.dumps(asdict(scan), indent=2) if args.json else render(scan, versions))
+    return 1 if scan.findings or scan.known_bugs else 0
+
+
+def render(scan: Scan, versions: dict[str, str]) -> str:
+    lines = [f"stackcheck scan {scan.model}: {scan.architecture}, built on meta with "
+             + ", ".join(f"{k} {v}" for k, v in versions.items()), ""]
+    if scan.quantization:
+        lines.append("quantization, per part: " + "; ".join(
+            f"{part} {', '.join(f'{n} {t}' for t, n in sorted(types.items()))}" for part, types in scan.quantization.items()))
+    if scan.lora_targets:
+        lines.append("LoRA target hits per module type: " + ", ".join(f"{t} {n}" for t, n in scan.lora_targets.items()))
+    if scan.kv_sharing:
+        lines.append(f"KV sharing: layers {scan.kv_sharing['shared_layers']} read the K/V that layers "
+                     f"{', '.join(map(str, scan.kv_sharing['stored_by']))} store")
+    for kind, problems in scan.findings.items():
+        lines.append(f"{kind}:")
+        lines += [f"  - {problem}" for problem in problems]
+    if not scan.findings:
+        lines.append("no problems found in the model, adapter and options")
+    if scan.known_bugs:
+        lines.append(f"{len(scan.known_bugs)} known bugs affect the installed versions (`stackcheck doctor` for the changes "
+                     f"that leave them): {', '.join(scan.known_bugs)}")
+    return "\n".join(lines)

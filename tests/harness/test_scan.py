@@ -1,0 +1,66 @@
+"""`scan` preflights a model folder on the meta device: checked on the seed user's models, Gemma 4 E2B and E4B
+(fixtures/gemma4-*/config.json, from transformers' conversion script), with the seed's adapter targets, device
+map and quantization, and on the tiny fixture."""
+
+import json
+
+import pytest
+
+from stackcheck import REPO_ROOT, cli, hostinfo, scenario, tiny
+from tests.harness.test_usage_errors import one_usage_line
+
+SEED_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # seed 002
+SEED_QUANTIZATION = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                     "bnb_4bit_compute_dtype": "bfloat16", "llm_int8_enable_fp32_cpu_offload": True}
+
+
+@pytest.fixture
+def seed_adapter(tmp_path):
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 32, "target_modules": SEED_TARGETS}))
+    return folder
+
+
+def scanned(capsys, *argv) -> tuple[int, dict]:
+    code = cli.main(["scan", *map(str, argv), "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("model, linear4bit_hits, kv_stores", [("gemma4-e2b", 205, [13, 14]), ("gemma4-e4b", 258, [22, 23])])
+def test_the_seed_users_models_and_targets(model, linear4bit_hits, kv_stores, seed_adapter, capsys):
+    code, report = scanned(capsys, REPO_ROOT / "fixtures" / model, seed_adapter, "--quantization", json.dumps(SEED_QUANTIZATION),
+                           "--device-map", json.dumps(scenario.SEED_USER_DEVICE_MAP))
+    assert code == 1
+    # Seed 002 counted 148 clippable and 205 Linear4bit hits on E2B; the shared-KV source of seeds 000/001 is 13 / 22.
+    assert report["lora_targets"] == {"Gemma4ClippableLinear": 148, "Linear4bit": linear4bit_hits}
+    assert report["kv_sharing"]["stored_by"] == kv_stores
+    (rejected,) = report["findings"]["lora_target_rejected_by_peft"]
+    assert rejected.startswith("148 targets are Gemma4ClippableLinear: Target module Gemma4ClippableLinear is not supported")
+    assert rejected.endswith("target its inner `.linear` instead (e.g. 'q_proj.linear')")
+    assert report["findings"]["device_map_key_names_no_module"] == [
+        "'model.multi_modal_projector' names no module of Gemma4ForConditionalGeneration: accelerate ignores it"]
+    assert report["quantization"]["model.vision_tower"] == {"Linear": 113}  # fp32 CPU offload keeps the CPU towers bf16
+
+
+def test_a_skip_entry_that_keeps_nothing_and_packed_path_widths(monkeypatch, capsys):
+    monkeypatch.setattr(hostinfo, "cpu_facts", lambda: {"cpu_flags": "avx2 avx512f avx512_bf16"})
+    quantization = {"load_in_4bit": True, "llm_int8_skip_modules": ["model.vision_tower", "audio_encoder", "lm_head"]}
+    _code, report = scanned(capsys, tiny.base_checkpoint(), "--quantization", json.dumps(quantization), "--device-map", '{"": "cpu"}')
+    assert report["findings"]["skip_module_keeps_nothing"] == ["llm_int8_skip_modules entry 'audio_encoder' keeps nothing unquantized"]
+    assert any(line.startswith("6 4-bit layers 64 -> 16 on this avx512_bf16 CPU") for line in report["findings"]["cpu_packed_path_rejects_width"])
+    monkeypatch.setattr(hostinfo, "cpu_facts", lambda: {"cpu_flags": "avx2 avx512f"})
+    _code, report = scanned(capsys, tiny.base_checkpoint(), "--quantization", json.dumps(quantization), "--device-map", '{"": "cpu"}')
+    assert "cpu_packed_path_rejects_width" not in report["findings"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["/no/such/model"], "MODEL /no/such/model: no such folder"),
+    (["{tiny}", "--device-map", "{model.vision_tower: cpu}"], "--device-map: not JSON"),
+    (["{tiny}", "--device-map", "[1, 2]"], "--device-map: expected a JSON object, got list"),
+    (["{tiny}", "--quantization", '{"load_in_4bit": true, "bnb_4bit_quant_type": 3, "no_such_option": 1}'], "--quantization"),
+    (["{tiny}", "{tiny}"], "it has no adapter_config.json"),
+])
+def test_wrong_inputs_are_one_line(argv, message, capsys):
+    argv = [a.replace("{tiny}", str(tiny.base_checkpoint())) for a in argv]
+    assert message in one_usage_line(cli.main(["scan", *argv]), capsys)
