@@ -1,6 +1,6 @@
 """Benchmark harness: the cases and model sizes, loading a case, the timing helper, the memory tracker,
-weight sizes and the decode roofline's bytes per token. What it measures lands in the bench JSON
-described in stackcheck.bench_compare, which reads and compares it without torch.
+weight sizes, the decode roofline's bytes per token and the QLoRA training step. What it measures lands in
+the bench JSON described in stackcheck.bench_compare, which reads and compares it without torch.
 """
 
 from __future__ import annotations
@@ -31,8 +31,14 @@ SPEC_BANDWIDTH = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12),
 class Case:
     quantized: bool
     double_quant: bool = False
-    adapter: str | None = None  # None, "unmerged" (PeftModel on top) or "merged" (merge_and_unload)
+    # None, "unmerged" (PeftModel on top), "merged" (merge_and_unload) or "trained" (a fresh LoRA through
+    # scenario.qlora_model: the case is trained, not decoded)
+    adapter: str | None = None
     split: bool = False  # scenario.SEED_SPLIT_DEVICE_MAP: vision and audio towers on the CPU, the rest on GPU 0
+
+    @property
+    def training(self) -> bool:
+        return self.adapter == "trained"
 
 
 CASES = {
@@ -44,6 +50,7 @@ CASES = {
     "bf16_merged": Case(quantized=False, adapter="merged"),
     "split_bf16": Case(quantized=False, split=True),
     "split_nf4_dq": Case(quantized=True, double_quant=True, split=True),
+    "qlora_train": Case(quantized=True, double_quant=True, adapter="trained"),
 }
 REPEAT_CASE = "nf4_dq"  # the seeds' quantization: the case whose decode `--repeat` measures again
 
@@ -60,15 +67,18 @@ class Size:
     prepare: Callable[[], object]  # builds (once) the checkpoints the loads need, outside any measurement
     load: Callable  # (quantized=, double_quant=, device_map=, **from_pretrained kwargs) -> model
     adapter: Callable[[], str | Path]  # what scenario.peft_load takes
+    trained_adapter: str  # the adapter fixture whose targets scenario.qlora_model trains (tiny.lora_config: rank 4)
     has_towers: bool  # only a multimodal model has towers for the split map to send to the CPU
 
 
 TINY_ADAPTER = "language"
+# The realistic model trains on the fixture adapter "broad": every attention and MLP projection, the targets of
+# its own adapter (fixtures/realistic_gemma4_text.json), at tiny.lora_config's rank 4 where that adapter has 16.
 SIZES = {
     "tiny": Size(prepare=lambda: (tiny.base_checkpoint(), tiny.adapter_checkpoint(TINY_ADAPTER)), load=scenario.load_base,
-                 adapter=lambda: TINY_ADAPTER, has_towers=True),
+                 adapter=lambda: TINY_ADAPTER, trained_adapter=TINY_ADAPTER, has_towers=True),
     "realistic": Size(prepare=tiny.realistic_checkpoint, load=_load_realistic,
-                      adapter=lambda: tiny.realistic_checkpoint() / "adapter", has_towers=False),
+                      adapter=lambda: tiny.realistic_checkpoint() / "adapter", trained_adapter="broad", has_towers=False),
 }
 
 
@@ -110,6 +120,8 @@ def load_case(size: Size, case: Case, device: torch.device):
         # transformers refuses a 4-bit model with CPU entries in its map unless fp32 CPU offload is on
         kwargs["quantization_config"] = scenario.bnb_config(case.double_quant, fp32_cpu_offload=case.split)
     model = size.load(quantized=case.quantized, double_quant=case.double_quant, device_map=device_map, **kwargs)
+    if case.training:
+        return scenario.qlora_model(model, size.trained_adapter)  # in training mode
     if case.adapter:
         model = scenario.peft_load(model, size.adapter())
     if case.adapter == "merged":
@@ -341,8 +353,8 @@ def decode_weight_bytes(model: torch.nn.Module, prompt: torch.Tensor) -> int:
 
 
 class CaseRun:
-    """One case, loaded: the model, its prompts, the memory tracker started before the load, and the
-    prefill and decode steps the benchmarks time."""
+    """One case, loaded: the model under the memory tracker started before the load, its weight bytes and
+    logical parameter count, and what every benchmark of the case records."""
 
     def __init__(self, size: str, case: str, device: torch.device, profile: Profile):
         self.size, self.case, self.device, self.profile = size, case, device, profile
@@ -351,6 +363,28 @@ class CaseRun:
         self.model = load_case(SIZES[size], CASES[case], device)
         self.weights = {"allocated_after_load": self.tracker.allocated_since_start(), **weight_bytes(self.model)}
         self.parameters = logical_parameters(self.model)
+
+    def case_info(self, phase: str, tokens: int, memory: bool = True) -> dict:
+        """What a benchmark of `phase` records beside pytest-benchmark's timing stats; `tokens` is what one
+        timed round processes, and `memory` samples the tracker (its peaks since before the load)."""
+        info = {"size": self.size, "case": self.case, "phase": phase, "tokens": tokens,
+                "parameters": self.parameters, "weights": self.weights}
+        if memory:
+            info["memory"] = self.tracker.sample()
+        return info
+
+    def close(self) -> None:
+        del self.model
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class InferenceRun(CaseRun):
+    """An inference case: its prompts, and the prefill and decode steps the benchmarks time."""
+
+    def __init__(self, size: str, case: str, device: torch.device, profile: Profile):
+        super().__init__(size, case, device, profile)
         vocab = self.model.config.get_text_config().vocab_size
         generator = torch.Generator().manual_seed(tiny.SEED)
         tokens = torch.randint(4, vocab, (1, max(profile.prefill_tokens, profile.context_tokens)), generator=generator)
@@ -382,23 +416,38 @@ class CaseRun:
         return torch.cat(tokens, dim=-1)
 
     def extra_info(self, phase: str) -> dict:
-        """What a benchmark of `phase` records beside pytest-benchmark's timing stats. Graph phases leave
-        memory out: the graph's private pool is the benchmark's, not the stack's, and the case's peaks
-        stay those of the eager phases (graph phases run last)."""
+        """case_info, with the weight bytes one decode step reads. Graph phases leave memory out: the graph's
+        private pool is the benchmark's, not the stack's, and the case's peaks stay those of the eager phases
+        (graph phases run last)."""
         tokens = self.profile.prefill_tokens if phase == "prefill" else self.profile.new_tokens
-        info = {"size": self.size, "case": self.case, "phase": phase, "tokens": tokens,
-                "parameters": self.parameters, "weights": self.weights}
-        if not phase.startswith("decode_graph"):
-            info["memory"] = self.tracker.sample()
+        info = self.case_info(phase, tokens, memory=not phase.startswith("decode_graph"))
         if phase != "prefill":
             info["decode_weight_bytes_per_token"] = self.decode_weight_bytes
         return info
 
+
+class TrainingRun(CaseRun):
+    """A training case (Case.training): the QLoRA model load_case built, torch's AdamW (its defaults) over
+    the LoRA parameters, and the optimizer step the benchmark times on the families' fixed batch. The
+    optimizer's state and the step's activations and gradients are allocated under the case's tracker."""
+
+    def __init__(self, size: str, case: str, device: torch.device, profile: Profile):
+        super().__init__(size, case, device, profile)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad])
+        self.batch_tokens = scenario.training_batch(self.model.config)["input_ids"].numel()
+
+    def train_step(self) -> list[float]:
+        """One step of scenario.train_steps: zero_grad, forward and backward on the fixed batch, which it
+        builds on scenario.main_device() (the bench's device: tests/benchmarks/conftest.py), AdamW's step.
+        Returns [the loss]."""
+        return scenario.train_steps(self.model, self.optimizer, 1)
+
+    def extra_info(self, phase: str) -> dict:
+        return self.case_info(phase, self.batch_tokens)
+
     def close(self) -> None:
-        del self.model
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        del self.optimizer  # its state: two moments per LoRA parameter
+        super().close()
 
 
 # --- the decode replayed from a CUDA graph --------------------------------------------------------
@@ -415,7 +464,7 @@ def cache_tensors(cache) -> list[torch.Tensor]:
 
 
 class DecodeGraph:
-    """A decode round (CaseRun.decode from a prefilled context) captured once as a CUDA graph and replayed.
+    """A decode round (InferenceRun.decode from a prefilled context) captured once as a CUDA graph and replayed.
 
     The graph holds the very kernels the eager round launches, on the same dynamic cache, with the host's
     work between them taken out: its tokens/s is the device time of the stack's kernels, which the host's
@@ -424,7 +473,7 @@ class DecodeGraph:
     exactly the tokens of an eager round from the same context (GraphNotFaithful otherwise).
     """
 
-    def __init__(self, run: CaseRun):
+    def __init__(self, run: InferenceRun):
         if run.device.type != "cuda":
             raise GraphNotFaithful("CUDA graphs need a CUDA device")
         (warm_cache, warm_token), _ = run.start_decode()
@@ -449,7 +498,7 @@ class DecodeGraph:
         self.graph.replay()
         return self.tokens
 
-    def _check_faithful(self, run: CaseRun) -> None:
+    def _check_faithful(self, run: InferenceRun) -> None:
         eager = run.decode(*run.start_decode()[0])
         for attempt in ("first", "second"):
             replayed = self.replay()

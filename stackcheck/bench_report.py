@@ -22,6 +22,7 @@ METRICS = (
     ("decode_graph_tokens_per_s", "Decode tokens/s replayed from a CUDA graph (batch 1, the GPU's time)", "tokens/s", 1),
     ("decode_tokens_per_s", "Decode tokens/s, eager as generate() runs it (batch 1, host-bound)", "tokens/s", 1),
     ("prefill_tokens_per_s", "Prefill tokens/s", "tokens/s", 1),
+    ("train_tokens_per_s", "QLoRA training tokens/s (one optimizer step on the fixed batch)", "tokens/s", 1),
     ("peak_allocated_bytes", "Peak allocated VRAM (torch allocator)", "MiB", MIB),
     ("peak_reserved_bytes", "Peak reserved VRAM (torch allocator)", "MiB", MIB),
     ("nvml_used_bytes", "Device memory used (NVML: all processes and the CUDA context)", "MiB", MIB),
@@ -95,8 +96,16 @@ def _gate(runs: dict[str, dict], baseline: str) -> list[str]:
     return lines + [""]
 
 
+def _cases_with(summaries, cases, metric) -> list[str]:
+    """The cases that have `metric` in some set, or whose benchmark of it said why it measured nothing: an
+    inference case has no training tokens/s and the training case no prefill or decode."""
+    return [key for key in cases if any(metric in summary.get(key, {}) or bench_compare.not_measured_reason(summary.get(key, {}), metric)
+                                        for summary in summaries.values())]
+
+
 def _metric_table(summaries, cases, baseline, metric, title, unit, scale) -> list[str]:
-    if not any(metric in summary.get(key, {}) for summary in summaries.values() for key in cases):
+    cases = _cases_with(summaries, cases, metric)
+    if not cases:
         return []
     spread = metric.replace("tokens_per_s", "spread") if metric.endswith("tokens_per_s") else None
     lines = [f"## {title}", "", f"{unit}" + (", median of the timed rounds ± IQR/median" if spread else ""), "",
@@ -203,12 +212,13 @@ def _plot(summaries, cases, plots_dir: Path, notes: list[str]) -> list[tuple[str
     plots_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for metric, title, unit, scale in METRICS:
-        sizes = list(dict.fromkeys(k.split("/")[0] for k in cases if any(metric in s.get(k, {}) for s in summaries.values())))
+        measured = [k for k in cases if any(metric in s.get(k, {}) for s in summaries.values())]
+        sizes = list(dict.fromkeys(k.split("/")[0] for k in measured))
         if not sizes:
             continue
         figure, axes = plt.subplots(1, len(sizes), figsize=(7 * len(sizes), 4.5), squeeze=False)
         for axis, size in zip(axes[0], sizes):
-            keys = [k for k in cases if k.startswith(size + "/")]
+            keys = [k for k in measured if k.startswith(size + "/")]
             width = 0.8 / len(summaries)
             for index, (name, summary) in enumerate(summaries.items()):
                 values = [summary.get(k, {}).get(metric, 0) / scale for k in keys]

@@ -1,7 +1,7 @@
 """The bench harness on the CPU, as CI runs it: the smoke bench writes a complete pytest-benchmark JSON for
 both sizes, `compare` passes a run against itself and fails one slowed through the test-only switch, the
-weight arithmetic matches what bitsandbytes stores, the timed decode does generate()'s work, the report
-renders, and the default test run leaves the benchmarks out."""
+weight arithmetic matches what bitsandbytes stores, the timed decode does generate()'s work, the timed
+training step trains, the report renders, and the default test run leaves the benchmarks out."""
 
 import copy
 import importlib.util
@@ -19,7 +19,8 @@ from stackcheck.versions import UsageError
 
 pytest.importorskip("pytest_benchmark", reason="the bench needs the `bench` extra (`nox -s tests` installs it)")
 
-SMOKE_CASES = {"bf16", "nf4", "nf4_dq", "nf4_dq_lora", "nf4_dq_merged", "bf16_merged"}  # no split map on the CPU
+INFERENCE_CASES = {"bf16", "nf4", "nf4_dq", "nf4_dq_lora", "nf4_dq_merged", "bf16_merged"}  # no split map on the CPU
+TRAINING_CASE = "qlora_train"
 # The realistic model's shape, shrunk so that the harness builds and runs it on the CPU in seconds.
 SHRUNK_REALISTIC = {
     "config": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
@@ -55,17 +56,25 @@ def test_smoke_bench_records_every_case_and_metric(smoke):
     assert meta["mode"] == "smoke" and meta["synthetic_slowdown"] == 1.0 and meta["cpu_threads"] == 1
     assert meta["bandwidth"]["measured_bytes_per_s"] > 0 and meta["versions"]["transformers"]
     summary = bench_compare.summarize(smoke)
-    assert set(summary) == {f"{size}/{case}" for size in ("tiny", "realistic") for case in SMOKE_CASES}
+    assert set(summary) == {f"{size}/{case}" for size in ("tiny", "realistic") for case in {*INFERENCE_CASES, TRAINING_CASE}}
     for key, row in summary.items():
-        assert row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0, key
         assert row["host_rss_bytes"] > 0 and row["host_peak_rss_bytes"] >= row["host_rss_bytes"], key
-        assert row["weights"]["expected"]["cpu"] > 0 and row["decode_weight_bytes_per_token"] > 0, key
+        assert row["weights"]["expected"]["cpu"] > 0, key
+        if row["case"] == TRAINING_CASE:
+            assert row["train_tokens_per_s"] > 0 and "prefill_tokens_per_s" not in row and "decode_tokens_per_s" not in row, key
+        else:
+            assert row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0, key
+            assert row["decode_weight_bytes_per_token"] > 0, key
+    train = [entry["extra_info"] for entry in smoke["benchmarks"] if entry["extra_info"]["phase"] == "train"]
+    assert len(train) == 2 and all(info["tokens"] == len(scenario.TRAINING_IDS[0]) for info in train)
     for size in ("tiny", "realistic"):
         assert len(summary[f"{size}/nf4_dq"]["decode_repeat_tokens_per_s"]) == 2
         # 4-bit weights: about a quarter of bf16's; the adapter adds parameters, merging keeps the count
         assert summary[f"{size}/nf4_dq"]["weights"]["expected"]["cpu"] < summary[f"{size}/bf16"]["weights"]["expected"]["cpu"] / 2
         assert summary[f"{size}/nf4_dq_lora"]["parameters"] > summary[f"{size}/nf4_dq"]["parameters"]
         assert summary[f"{size}/nf4_dq_merged"]["parameters"] == summary[f"{size}/bf16"]["parameters"]
+        # the trained LoRA has the inference adapter's targets and rank (4; the shrunk realistic adapter's too)
+        assert summary[f"{size}/{TRAINING_CASE}"]["parameters"] == summary[f"{size}/nf4_dq_lora"]["parameters"]
 
 
 def test_compare_passes_a_run_against_itself(smoke):
@@ -73,16 +82,18 @@ def test_compare_passes_a_run_against_itself(smoke):
 
 
 def test_synthetic_slowdown_fails_the_comparison(smoke, tmp_path):
-    """The test-only switch slows the timed calls 10x; the comparison must fail on both tokens/s ratios,
-    name the switch, and miss the cases the slowed run left out; the gate reports the decode drop as a
-    regression."""
-    bf16 = [f"tests/benchmarks/test_bench.py::test_{phase}[tiny-bf16]" for phase in ("prefill", "decode")]
-    slowed = run_bench(tmp_path / "slowed.json", *bf16, env={bench_compare.SYNTHETIC_SLOWDOWN_ENV: "0.1"})
+    """The test-only switch slows the timed calls 10x; the comparison must fail on every tokens/s ratio
+    (inference and training), name the switch, and miss the cases the slowed run left out; the gate reports
+    the decode drop as a regression."""
+    tests = [f"tests/benchmarks/test_bench.py::test_{phase}[tiny-bf16]" for phase in ("prefill", "decode")]
+    tests.append(f"tests/benchmarks/test_bench.py::test_train_step[tiny-{TRAINING_CASE}]")
+    slowed = run_bench(tmp_path / "slowed.json", *tests, env={bench_compare.SYNTHETIC_SLOWDOWN_ENV: "0.1"})
     assert slowed["stackcheck"]["synthetic_slowdown"] == 0.1
     problems = bench_compare.compare(slowed, smoke)
     assert any(p.startswith("candidate was measured with the test-only synthetic slowdown 0.1") for p in problems)
     assert any(p.startswith("tiny/bf16: decode_tokens_per_s ratio") for p in problems), problems
     assert any(p.startswith("tiny/bf16: prefill_tokens_per_s ratio") for p in problems), problems
+    assert any(p.startswith(f"tiny/{TRAINING_CASE}: train_tokens_per_s ratio") for p in problems), problems
     assert any(p.startswith("tiny/nf4: in the baseline, missing from the candidate") for p in problems), problems
 
     sets = {"sets": {}, "cells": []}
@@ -118,7 +129,7 @@ def test_weight_arithmetic_matches_what_bitsandbytes_stores(double_quant):
 
 
 def test_timed_decode_produces_the_tokens_generate_does():
-    run = bench.CaseRun("tiny", "nf4_dq", torch.device("cpu"), bench.PROFILES["tiny", True])
+    run = bench.InferenceRun("tiny", "nf4_dq", torch.device("cpu"), bench.PROFILES["tiny", True])
     args, _ = run.start_decode()
     first = args[1]
     decoded = run.decode(*args)
@@ -129,18 +140,52 @@ def test_timed_decode_produces_the_tokens_generate_does():
     assert torch.equal(generated[:, context + 1:], decoded)
 
 
+def test_timed_training_step_is_the_families_qlora_step():
+    """The benchmark's step is the QLoRA recipe: the 4-bit NF4 double-quant base prepared with PEFT's defaults
+    (gradient checkpointing on), the tiny adapter's LoRA the only trainable parameters, AdamW holding its state
+    for each of them after a step, and the loss falling step after step."""
+    run = bench.TrainingRun("tiny", TRAINING_CASE, torch.device("cpu"), bench.PROFILES["tiny", True])
+    assert run.model.training and run.model.is_gradient_checkpointing
+    scenario.first_nested_linear4bit(run.model)
+    trainable = [name for name, p in run.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in name for name in trainable)
+    assert len(trainable) == len(scenario.lora_tensors(run.model))
+    losses = [loss for _ in range(3) for loss in run.train_step()]
+    assert losses[0] > losses[1] > losses[2], losses
+    assert all(run.optimizer.state[p] for group in run.optimizer.param_groups for p in group["params"])
+    assert run.extra_info("train")["tokens"] == run.batch_tokens == len(scenario.TRAINING_IDS[0])
+    run.close()
+
+
+def test_compare_gates_the_training_step_on_a_gpu_by_its_vram_only():
+    """On a GPU the fixed batch's step is host-bound: half the speed passes, 20% more peak VRAM fails."""
+    def with_training(seconds: float, peak: int) -> dict:
+        run = gpu_run(100.0)
+        run["benchmarks"].append({"stats": {"median": seconds, "iqr": 0.0}, "extra_info": {
+            "size": "realistic", "case": TRAINING_CASE, "phase": "train", "tokens": 12, "parameters": 6, "weights": {},
+            "memory": {"peak_allocated_bytes": peak}}})
+        return run
+
+    baseline = with_training(1.0, 1000)
+    assert bench_compare.compare(with_training(2.0, 1000), baseline) == []
+    assert bench_compare.compare(with_training(1.0, 1200), baseline) == [
+        f"realistic/{TRAINING_CASE}: peak_allocated_bytes ratio 1.200 > 1.1 (1200 vs baseline 1000)"]
+
+
 def test_decode_graph_is_refused_without_a_gpu():
-    run = bench.CaseRun("tiny", "bf16", torch.device("cpu"), bench.PROFILES["tiny", True])
+    run = bench.InferenceRun("tiny", "bf16", torch.device("cpu"), bench.PROFILES["tiny", True])
     with pytest.raises(bench.GraphNotFaithful, match="CUDA graphs need a CUDA device"):
         bench.DecodeGraph(run)
 
 
 def test_cache_tensors_hold_every_tensor_of_the_prefilled_cache():
-    """DecodeGraph keeps these alive for the graph's life: keys and values of every layer at least."""
-    run = bench.CaseRun("tiny", "bf16", torch.device("cpu"), bench.PROFILES["tiny", True])
+    """DecodeGraph keeps these alive for the graph's life: keys and values of every layer that holds them
+    (transformers 5.23 gives the KV-shared layers a DummyLayer, keys and values None)."""
+    run = bench.InferenceRun("tiny", "bf16", torch.device("cpu"), bench.PROFILES["tiny", True])
     (cache, _), _ = run.start_decode()
     held = {id(t) for t in bench.cache_tensors(cache)}
-    assert all(id(layer.keys) in held and id(layer.values) in held for layer in cache.layers)
+    holding = [layer for layer in cache.layers if layer.keys is not None]
+    assert holding and all(id(layer.keys) in held and id(layer.values) in held for layer in holding)
 
 
 def gpu_run(graph_tokens_per_s: float | None, not_measured: str | None = None) -> dict:
@@ -172,9 +217,13 @@ def test_report_renders_ratios_gate_and_plots(smoke, tmp_path):
     markdown = (tmp_path / "bench.md").read_text()
     assert "- **candidate** against base: **fail**" in markdown
     assert "(×0.500)" in markdown
-    for section in ("## Decode tokens/s", "## Prefill tokens/s", "## Decode roofline", "## Weights: expected and measured",
-                    "## Repeatability of the 4-bit decode", "## Host peak RSS"):
+    for section in ("## Decode tokens/s", "## Prefill tokens/s", "## QLoRA training tokens/s", "## Decode roofline",
+                    "## Weights: expected and measured", "## Repeatability of the 4-bit decode", "## Host peak RSS"):
         assert section in markdown
+    # a tokens/s table lists the cases that have its phase: the training case trains, the others prefill and decode
+    decode, training = (markdown.split(title)[1].split("\n## ")[0] for title in ("## Decode tokens/s, eager", "## QLoRA training tokens/s"))
+    assert "| tiny/nf4_dq |" in decode and TRAINING_CASE not in decode
+    assert f"| tiny/{TRAINING_CASE} |" in training and "| tiny/nf4_dq |" not in training
     if importlib.util.find_spec("matplotlib") is None:
         assert any("matplotlib is not installed" in note for note in notes)
     else:
