@@ -25,7 +25,9 @@ Tolerance: 0.01 relative logit error, and the same greedy tokens. Measured on th
 round trip is exact (0.0000). Without the preparation the fresh base keeps in bf16 what
 `prepare_model_for_kbit_training` upcast to fp32 for training (norms, embeddings), and that alone moves the
 logits by 0.0192 (seed) and 0.0168 (latest): comparing like with like is what lets 0.01 catch a lost module.
-Across sets the base itself moves a little: seed's adapter on latest is off by 0.0012 (the base alone by 0.0024).
+Across sets the base itself moves (by 0.0024 from seed to latest on the CPU), so the upgrade compares the
+adapter's effect, the logits with it minus those without: seed's adapter on latest is off by 0.0031, while
+leaving out any one of its 38 LoRA modules moves the effect by 0.022 to 0.18.
 """
 
 import pytest
@@ -68,6 +70,10 @@ def test_trained_adapter_reloads_onto_a_fresh_4bit_base(prompt, tmp_path, adapte
     assert scenario.greedy(loaded, prompt) == trained_tokens
 
 
+# CPU lane only: module names and the adapter's values do not depend on the device, and on a GPU the sets'
+# 4-bit kernels differ: seed's bitsandbytes moves the base by 0.031 against latest's (H100), and the adapter's
+# effect by 0.042, more than losing one module does.
+@pytest.mark.cpu
 def test_adapter_trained_by_the_baseline_set_reloads(prompt, adapter_exchange):
     """The upgrade: the adapter the baseline set trained (the test above, run by it), loaded by this set onto a
     fresh 4-bit base from the checkpoint it was trained on, changes the outputs as it did for the baseline."""
