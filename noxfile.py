@@ -30,6 +30,7 @@ COMMANDS = {
     "wheelhouse": "Download every wheel the sets need for an offline target (`-- --cuda 130 --host-freeze FILE`).",
     "versions": "Print each set's pins.",
     "doctor": "Known bugs affecting an installed stack, and the changes that leave them: `-- [--python PATH] [--json]`.",
+    "repro": "Standalone reproductions of failing cells, checked: `-- --from results/matrix.json` or `-- --sets seed --test ID`.",
     "scan": "Preflight a model folder (+ adapter folder) on meta: `-- MODEL [ADAPTER] [--device-map J] [--quantization J]`.",
     "merge": "Merge per-job matrix.json files: `-- a/matrix.json b/matrix.json [--output results/matrix.json]`.",
     "bisect": "First release where a family flips: `-- accelerate --good 1.15.0 --bad 1.13.0 --family params4bit_kwargs`.",

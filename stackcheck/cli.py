@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, bench_compare, bench_report, bisect, doctor, envs, gate, results, scan, wheelhouse
+from stackcheck import REPO_ROOT, bench_compare, bench_report, bisect, doctor, envs, gate, repro, results, scan, wheelhouse
 from stackcheck.lane import CPU_LANE, bench_set, check_ledger, record_unbuildable, run_pytest
 from stackcheck.ledger import LedgerError
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="which known bugs affect an installed stack, and the smallest changes that leave them")
     doctor.add_argument("--python", help="the interpreter whose packages to read (default: this one)")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    repro = commands.add_parser("repro", help="issue-ready standalone reproductions of failing cells, checked by running them")
+    repro.add_argument("--from", dest="source", type=absolute_path, help="a matrix.json: export every failing cell in it")
+    add_set_options(repro, many=True)  # --sets filters --from; with --test, --sets names the one set
+    repro.add_argument("--test", help="one family test id, tests/families/test_<family>.py::<test>[<lane>-...]")
+    repro.add_argument("--output", type=absolute_path, default=REPO_ROOT / "results" / "repro", help="folder to write into")
 
     scan = commands.add_parser("scan", help="preflight a model folder (and adapter folder) on the meta device")
     scan.add_argument("model", type=absolute_path, help="folder with the model's config.json (no weights are read)")
@@ -244,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
             return gate.run(args)
         if args.command == "doctor":
             return doctor.run(args)
+        if args.command == "repro":
+            check_folder_option("--output", args.output)
+            return repro.run(args)
         if args.command == "scan":
             return scan.run(args)
         if args.command == "merge":

@@ -24,30 +24,17 @@ from pathlib import Path
 
 import pytest
 
-from stackcheck import REPO_ROOT, exchange, hostinfo, results, scenario
+from stackcheck import exchange, hostinfo, results, scenario
 from stackcheck.ledger import (
-    ERROR, FAMILIES_DIR, FIXED, KNOWN_BUG, NOT_AFFECTED, SKIPPED, Failure, Judgement, Ledger, LedgerError, family_modules,
+    ERROR, FIXED, KNOWN_BUG, NOT_AFFECTED, SKIPPED, Failure, Judgement, Ledger, LedgerError, family_modules,
 )
+from stackcheck.results import family_of, lane_of
 from stackcheck.scenario import ScenarioNotReached
 from stackcheck.tiny import FixtureError
 from stackcheck.versions import installed_versions
 
 CELL_KEY = "stackcheck_cell"
 WORKER_GPU_KEY = "stackcheck_cuda_visible_devices"
-
-
-def family_of(nodeid: str) -> str | None:
-    """The family of a test node id (or of a module path) under tests/families, else None."""
-    path = Path(nodeid.split("::", 1)[0])
-    if path.parent != FAMILIES_DIR.relative_to(REPO_ROOT) or not path.stem.startswith("test_"):
-        return None
-    return path.stem.removeprefix("test_")
-
-
-def lane_of(nodeid: str) -> str:
-    """The lane is the first parameter of every family test (`test_x[cpu-nf4]`)."""
-    params = nodeid.partition("[")[2]
-    return params.split("-", 1)[0].rstrip("]") if params else "cpu"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

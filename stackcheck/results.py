@@ -11,13 +11,27 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from stackcheck import REPO_ROOT, hostinfo
-from stackcheck.ledger import SEVERITY, SKIPPED, Ledger
+from stackcheck.ledger import FAMILIES_DIR, SEVERITY, SKIPPED, Ledger
 from stackcheck.versions import UsageError, load_sets
 
 LANES = ("gpu", "cpu")
 CELL_KEYS = ("set", "family", "test", "lane", "verdict", "signature", "bug", "note", "seconds")
 # What a verdict means besides the libraries: the ledger, and the family tests with what they build and run.
 DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/scenario.py", "stackcheck/hostinfo.py", "stackcheck/tiny.py", "fixtures/*.json", "tests/families/*.py")
+
+
+def family_of(nodeid: str) -> str | None:
+    """The family of a test node id (or of a module path) under tests/families, else None."""
+    path = Path(nodeid.split("::", 1)[0])
+    if path.parent != FAMILIES_DIR.relative_to(REPO_ROOT) or not path.stem.startswith("test_"):
+        return None
+    return path.stem.removeprefix("test_")
+
+
+def lane_of(nodeid: str) -> str:
+    """The lane is the first parameter of every family test (`test_x[cpu-nf4]`)."""
+    params = nodeid.partition("[")[2]
+    return params.split("-", 1)[0].rstrip("]") if params else "cpu"
 
 
 def fingerprint() -> str:
