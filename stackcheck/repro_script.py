@@ -2,10 +2,11 @@
 
 The script is cut from the sources the verdict came from, not written by hand: the test function, the
 module-level definitions of its family module it uses, and the transitive closure of the `scenario`, `tiny`
-and `hostinfo` definitions they call, with `scenario.x` written as `x`. The tiny fixtures travel inline
-(`FIXTURES`), and the tiny checkpoints are built in a temporary folder instead of stackcheck's cache. The
-test's parameters come from pytest's own collection (`collected_params`); its fixtures are the few the
-families use (`FIXTURE_VALUES`). So the script calls the libraries exactly as the family test does.
+and `hostinfo` definitions they call. The helpers call each other by bare name; the test reaches them through
+`scenario.x` as in our code (a namespace per module). The tiny fixtures travel inline (`FIXTURES`), and the
+tiny checkpoints are built in a temporary folder instead of stackcheck's cache. The test's parameters come from
+pytest's own collection (`stackcheck.repro`); its fixtures are the few the families use (`FIXTURE_VALUES`).
+So the script calls the libraries exactly as the family test does.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # no network: the tiny model is built from its config
 CACHE = Path(tempfile.mkdtemp(prefix="repro-tiny-"))
@@ -137,7 +139,14 @@ def build(family: str, test_name: str, params: dict[str, str], fixtures: list[st
         if id(node) in emitted:  # one assignment can define several names
             continue
         emitted.add(id(node))
-        body.append(_unqualify(sources[module].segment(node, strip_decorators=(module == "family" and name == test_name))))
+        text = sources[module].segment(node, strip_decorators=(module == "family" and name == test_name))
+        # The helpers call each other by bare name; the test keeps `scenario.x`, so its own locals never shadow a helper.
+        body.append(text if module == "family" else _unqualify(text))
+    family_nodes = [sources["family"].definitions[n] for m, n in definitions if m == "family"]
+    qualified = sorted({(owner, attr) for node in family_nodes for owner, attr in _references(node)[1] if owner in HELPER_MODULES})
+    for owner in sorted({owner for owner, _attr in qualified}):
+        names = ", ".join(f"{attr}={attr}" for o, attr in qualified if o == owner)
+        body.insert(len(body) - len(family_nodes), f"{owner} = SimpleNamespace({names})  # stackcheck's {owner} helpers, as the test calls them\n")
     code = "\n\n".join(body)
     used, _attributes = _references(ast.parse(code))
     bound = {alias.asname or alias.name.split(".")[0] for node in ast.parse(PRELUDE).body
