@@ -45,9 +45,9 @@ def test_malformed_pins_name_the_bad_token(token, message):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["versions", "--sets", "nosuchset"], "stackcheck: unknown set 'nosuchset' (valid sets: seed, latest)"),
+        (["versions", "--sets", "nosuchset"], "stackcheck: unknown set 'nosuchset' (valid sets: seed, latest, current)"),
         (["versions", "--with", "peft==x.y!"], "stackcheck: bad pin 'peft==x.y!': 'x.y!' is not a valid version"),
-        (["matrix", "--sets", "seed,typo"], "stackcheck: unknown set 'typo' (valid sets: seed, latest)"),
+        (["matrix", "--sets", "seed,typo"], "stackcheck: unknown set 'typo' (valid sets: seed, latest, current)"),
     ],
 )
 def test_user_errors_print_one_line_and_exit_2(argv, message, capsys):
