@@ -153,6 +153,7 @@ def _expected(cell: Cell) -> str:
 
 def write_issue(folder: Path, cell: Cell, versions: dict, platform: dict, ledger: Ledger, trace: str, reproduced: bool) -> None:
     bug = ledger.bugs.get(cell.bug) if cell.bug else None
+    script = (folder / "repro.py").read_text()
     title = (bug.summary.split(". ")[0] if bug else f"{cell.function}: {cell.failure}")[:150]
     lines = [f"# {title}", "",
              f"Found by stackcheck on the `{cell.set_name}` set: `{cell.test}` ({cell.verdict}{', ' + cell.bug if cell.bug else ''}).", "",
@@ -161,14 +162,15 @@ def write_issue(folder: Path, cell: Cell, versions: dict, platform: dict, ledger
              "## Expected", "", _expected(cell), "",
              "## Actual", "", f"```\n{cell.failure}\n```", "",
              f"The standalone script below {'reproduces it' if reproduced else 'did NOT reproduce it when stackcheck ran it'} "
-             "(`python repro.py`: it builds a tiny random Gemma 4 from its config, no network).", "",
+             "(`python repro.py`" + (": it builds a tiny random Gemma 4 from its config, no network" if "FIXTURES = " in script else "")
+             + ").", "",
              "## Trace (tail)", "", "```", *trace[trace.rfind("Traceback (most recent call last)"):].strip().splitlines()[-TRACE_TAIL_LINES:],
              "```", "",
              "## Where the evidence points", "", blamed_library(cell, ledger, trace), ""]
     if bug:
         lines += ["## Upstream references", "", *[f"- {link}" for link in bug.links], "", bug.upstream_status, ""]
     lines += ["## Script", "", "<details><summary>repro.py</summary>", "", "```python",
-              (folder / "repro.py").read_text().rstrip(), "```", "", "</details>", ""]
+              script.rstrip(), "```", "", "</details>", ""]
     (folder / "issue.md").write_text("\n".join(lines))
     facts = "\n".join(f"| {k} | {v} |" for k, v in {**versions, **platform}.items())
     (folder / "environment.md").write_text(f"# Environment of `{cell.test}` on `{cell.set_name}`\n\n| fact | value |\n|---|---|\n{facts}\n")

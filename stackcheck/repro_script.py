@@ -42,8 +42,7 @@ import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
-os.environ["HF_HUB_OFFLINE"] = "1"  # no network: the tiny model is built from its config
-CACHE = Path(tempfile.mkdtemp(prefix="repro-tiny-"))
+os.environ["HF_HUB_OFFLINE"] = "1"  # no network: every model is built from its config
 '''
 
 
@@ -160,7 +159,10 @@ def build(family: str, test_name: str, params: dict[str, str], fixtures: list[st
             if names & used and not names <= bound:
                 imports.append(sources[module].segment(node))
                 bound |= names
+    uses_tiny = any(name == "_fixture" for _module, name in definitions)
     fixtures_data = {name: json.loads((REPO_ROOT / "fixtures" / name).read_text()) for name in ("tiny_gemma4.json", "adapters.json")}
+    inline = (f"FIXTURES = {pprint.pformat(fixtures_data, width=110, sort_dicts=False)}\n"
+              'CACHE = Path(tempfile.mkdtemp(prefix="repro-tiny-"))  # where the tiny checkpoints are built\n\n') if uses_tiny else ""
     arguments = [f"{p}={value}" for p, value in params.items()] + [f"{f}={FIXTURE_VALUES[f]}" for f in fixtures]
     main = f'''def main():
     use_lane({lane!r})
@@ -177,4 +179,4 @@ if __name__ == "__main__":
         sys.exit(1)
     print("NOT REPRODUCED: the test passed")
 '''
-    return "\n".join([header, "from __future__ import annotations\n", PRELUDE + "".join(imports), f"FIXTURES = {pprint.pformat(fixtures_data, width=110, sort_dicts=False)}", "", "", code, "", main])
+    return "\n".join([header, "from __future__ import annotations\n", PRELUDE + "".join(imports), inline + code, "", main])
