@@ -107,6 +107,13 @@ def versions_of(python: str | None) -> dict[str, str]:
     return json.loads(completed.stdout)
 
 
+def require_stack(versions: dict[str, str], python: str | None, remedy: str) -> None:
+    """The libraries must be there: a bug of "every version" says nothing about a Python without them."""
+    missing = [lib for lib in LIBRARIES if versions.get(lib, "absent") == "absent"]
+    if missing:
+        raise UsageError(f"{python or 'this Python'} has no {', '.join(missing)} installed: {remedy}")
+
+
 def verify_command(versions: dict[str, str], other_interpreter: bool) -> str:
     """The matrix run that checks the claims for real: on the `current` set, or with another interpreter's pins."""
     if not other_interpreter:
@@ -144,6 +151,7 @@ def render(versions: dict[str, str], facts: dict[str, str], diagnoses: list[Diag
 def run(args) -> int:
     """The `doctor` command: 1 when a known bug affects the install (for CI), 0 when none does."""
     versions = versions_of(args.python)
+    require_stack(versions, args.python, "pass the environment's Python with --python")
     facts = hostinfo.cpu_facts()
     diagnoses = diagnose(Ledger(), versions, facts["cpu_flags"])
     verify = verify_command(versions, args.python is not None)

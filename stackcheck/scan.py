@@ -193,6 +193,7 @@ def run(args) -> int:
         if value is not None and not isinstance(value, dict):
             raise UsageError(f"{option}: expected a JSON object, got {type(value).__name__}")
     versions, cpu_flags = installed_versions(), hostinfo.cpu_facts()["cpu_flags"]
+    doctor.require_stack(versions, None, "run the scan with the Python of the environment that loads the model")
     model, architecture = build_on_meta(args.model, config_data)
     scan = Scan(str(args.model), architecture)
     if device_map is None and max_memory is not None:

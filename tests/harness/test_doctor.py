@@ -67,3 +67,8 @@ def test_the_current_set_pins_what_this_interpreter_has(monkeypatch):
     monkeypatch.setattr(versions, "installed_versions", lambda: dict(SEED, peft="absent"))
     with pytest.raises(versions.UsageError, match="has no peft installed"):
         versions.resolve([versions.CURRENT_SET])
+
+
+def test_a_python_without_the_libraries_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "versions_of", lambda python: dict(SEED, peft="absent", bitsandbytes="absent"))
+    assert "has no peft, bitsandbytes installed" in one_usage_line(cli.main(["doctor"]), capsys)
