@@ -6,8 +6,9 @@ target's `pip list --format=freeze`), whatever the target already has in a versi
 requirement on it is left out too. bitsandbytes wheels bundle one binary per CUDA version (43 to 61 MB);
 `--cuda 130` keeps only that one and the CPU one, so each set fits a 64 MiB transfer.
 
-The walk is a small resolver over the wheels' own `Requires-Dist`: pip picks the newest release that
-satisfies every specifier seen so far for a package, for the target's tags (`pip download --no-deps`).
+uv's resolver picks the versions for the target (`uv pip compile --python-platform --python-version`), as
+pip would install them there: torch held at the target's version, the target's other packages preferred where
+they satisfy the requirements. pip then downloads each wheel the target lacks (`pip download --no-deps`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from email.parser import Parser
 from pathlib import Path
 
-from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
@@ -30,18 +29,10 @@ from packaging.version import InvalidVersion, Version
 from stackcheck.envs import BENCH_GROUPS, EnvBuildError, test_requirements
 from stackcheck.versions import UsageError, VersionSet
 
+UV_PLATFORM = "x86_64-manylinux_2_28"  # the GPU hosts' glibc; uv's name for the wheel tags pip gets from MANYLINUX_X86_64
 MANYLINUX_X86_64 = [f"manylinux_2_{minor}_x86_64" for minor in range(17, 40)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
 PROVIDED_BY_TARGET = {"torch"}  # the platform: the target's own (CUDA) build, never downloaded
 MANIFEST = "wheelhouse.json"
-
-
-def target_markers(python_version: str) -> dict[str, str]:
-    """PEP 508 marker values of a CPython on x86-64 Linux, the GPU hosts this folder is for."""
-    return {
-        "python_version": python_version, "python_full_version": f"{python_version}.0", "os_name": "posix",
-        "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
-        "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": "",
-    }
 
 
 def read_freeze(path: Path) -> dict[str, Version]:
@@ -54,12 +45,6 @@ def read_freeze(path: Path) -> dict[str, Version]:
             except InvalidVersion:
                 raise UsageError(f"{path}, line {number}: '{line.strip()}': '{match.group(2)}' is not a valid version") from None
     return versions
-
-
-def requires_dist(wheel: Path) -> list[str]:
-    with zipfile.ZipFile(wheel) as archive:
-        metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
-        return Parser().parsestr(archive.read(metadata).decode()).get_all("Requires-Dist") or []
 
 
 def keep_one_cuda_binary(wheel: Path, cuda: str) -> list[str]:
@@ -109,37 +94,33 @@ class Downloader:
             return target
 
 
-def wheels_for_set(vset: VersionSet, download, markers: dict, host: dict[str, Version], cuda: str | None) -> list[Path]:
-    """Walk the set's requirements (its pins, the test extras and the bench's, which `tests` and `bench`
-    install) to the wheels the target lacks."""
+def compile_pins(requirements: list[str], python_version: str, host: dict[str, Version], index_args=()) -> dict[str, Version]:
+    """uv's resolution of `requirements` for the target. torch is a constraint at the target's version; the
+    target's other packages are preferences: uv prefers the versions of an existing output file."""
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        (folder / "requirements.in").write_text("".join(f"{r}\n" for r in requirements))
+        (folder / "constraints.txt").write_text("".join(f"{n}=={host[n]}\n" for n in sorted(PROVIDED_BY_TARGET) if n in host))
+        (folder / "pins.txt").write_text("".join(f"{n}=={v}\n" for n, v in sorted(host.items())))
+        command = ["uv", "pip", "compile", "requirements.in", "--output-file", "pins.txt", "--constraint", "constraints.txt",
+                   "--python-version", python_version, "--python-platform", UV_PLATFORM, "--no-header", "--no-annotate",
+                   "--quiet", "--no-python-downloads", *index_args]
+        completed = subprocess.run(command, cwd=folder, capture_output=True, text=True)
+        if completed.returncode != 0:
+            detail = " ".join(completed.stderr.split())[-400:]
+            raise EnvBuildError(f"uv cannot resolve the requirements for the target: {detail}")
+        return read_freeze(folder / "pins.txt")
+
+
+def wheels_for_set(vset: VersionSet, download, python_version: str, host: dict[str, Version], cuda: str | None,
+                   index_args=()) -> list[Path]:
+    """The wheels the target lacks for the set's pins and the test and bench extras (`tests` and `bench` install
+    them), in the versions uv resolves for it."""
     if any(pin.url for pin in vset.pins.values()):
         raise UsageError(f"set '{vset.name}': the wheelhouse takes released versions only; pin a built wheel with NAME=PATH and copy it in")
-    wanted: dict[str, SpecifierSet] = {}
-    chosen: dict[str, tuple[Version, Path]] = {}
-    walked: set[tuple[str, Version, frozenset]] = set()  # (package, version, extras) whose needs are queued
-    queue = [Requirement(r) for r in vset.requirements() + test_requirements(BENCH_GROUPS)]
-    while queue:
-        requirement = queue.pop(0)
-        if requirement.marker and not any(
-            requirement.marker.evaluate(dict(markers, extra=extra)) for extra in [""] + sorted(requirement.extras)
-        ):
-            continue
-        name = canonicalize_name(requirement.name)
-        wanted[name] = wanted.get(name, SpecifierSet()) & requirement.specifier
-        if name in PROVIDED_BY_TARGET:
-            if name in host and host[name] not in wanted[name]:
-                raise UsageError(f"set '{vset.name}' needs {name}{wanted[name]}; the target has {name} {host[name]}")
-            continue
-        if name in host and host[name] in wanted[name] and name not in chosen:
-            continue
-        if name not in chosen or chosen[name][0] not in wanted[name]:
-            wheel = download(name, wanted[name])
-            chosen[name] = (parse_wheel_filename(wheel.name)[1], wheel)
-        key = (name, chosen[name][0], frozenset(requirement.extras))
-        if key not in walked:
-            walked.add(key)
-            queue += [Requirement(r) for r in requires_dist(chosen[name][1])]
-    wheels = [wheel for _, wheel in chosen.values()]
+    pins = compile_pins(vset.requirements() + test_requirements(BENCH_GROUPS), python_version, host, index_args)
+    wheels = [download(name, SpecifierSet(f"=={version}")) for name, version in pins.items()
+              if name not in PROVIDED_BY_TARGET and host.get(name) != version]
     if cuda:
         for wheel in wheels:
             if canonicalize_name(parse_wheel_filename(wheel.name)[0]) == "bitsandbytes":
@@ -161,7 +142,7 @@ def build(sets: list[VersionSet], dest: Path, python_version: str, platforms: li
     manifest = {"python_version": python_version, "platforms": platforms, "cuda": cuda,
                 "host_freeze": str(host_freeze) if host_freeze else None, "sets": {}}
     for vset in sets:
-        wheels = wheels_for_set(vset, download, target_markers(python_version), host, cuda)
+        wheels = wheels_for_set(vset, download, python_version, host, cuda)
         manifest["sets"][vset.name] = {
             "wheels": [w.name for w in wheels],
             "mib": round(sum(w.stat().st_size for w in wheels) / 2**20, 1),

@@ -8,12 +8,14 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from stackcheck import wheelhouse
+from stackcheck.envs import EnvBuildError
 from stackcheck.versions import UsageError, resolve
 
 
 def make_wheel(folder: Path, name: str, version: str, requires=(), files=()) -> Path:
-    wheel = folder / f"{name}-{version}-py3-none-any.whl"
-    info = f"{name}-{version}.dist-info"
+    stem = f"{name.replace('-', '_')}-{version}"  # a wheel's file name spells the project name with underscores
+    wheel = folder / f"{stem}-py3-none-any.whl"
+    info = f"{stem}.dist-info"
     metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr(f"{info}/METADATA", metadata)
@@ -24,46 +26,58 @@ def make_wheel(folder: Path, name: str, version: str, requires=(), files=()) -> 
 
 
 class FakeIndex:
-    """Answers like `pip download --no-deps`: the newest release satisfying the specifier."""
+    """A folder of wheels built here: uv resolves from it offline (`index_args`), and the download step takes
+    the resolved wheel from it, as `pip download --no-deps` would from the package index."""
 
     def __init__(self, folder: Path, releases: dict[str, dict[str, list[str]]]):
-        self.folder, self.releases, self.asked = folder, releases, []
+        self.folder, self.asked = folder / "index", []
+        self.folder.mkdir()
+        self.wheels = {(name, version): make_wheel(self.folder, name, version, requires)
+                       for name, versions in releases.items() for version, requires in versions.items()}
+        self.index_args = ["--no-index", "--find-links", str(self.folder), "--no-cache"]
 
     def __call__(self, name: str, specifier: SpecifierSet) -> Path:
         self.asked.append(f"{name}{specifier}")
-        version = max((v for v in self.releases[name] if Version(v) in specifier), key=Version)
-        return make_wheel(self.folder, name, version, self.releases[name][version])
+        (version,) = [v for n, v in self.wheels if n == name and Version(v) in specifier]
+        return self.wheels[name, version]
 
 
-def test_walk_skips_torch_and_what_the_host_has_and_follows_extras(tmp_path, monkeypatch):
+SEED_RELEASES = {
+    "transformers": {"5.6.2": ["huggingface-hub>=1.3,<2", "tokenizers<0.23,>=0.22", "numpy>=1.17"]},
+    "peft": {"0.19.1": ["torch>=1.13", "accelerate>=0.21", "transformers"]},
+    "accelerate": {"1.13.0": ["torch>=2.0", "psutil", "numpy<3"]},
+    "bitsandbytes": {"0.49.2": ["torch<3,>=2.3", "numpy>=1.17", "extra-only; extra == 'dev'"]},
+    "pytest": {"9.2.0": ["pluggy<2,>=1.5", "colorama; sys_platform == 'win32'"]},
+    "tokenizers": {"0.22.2": [], "0.23.2": []},
+    "pluggy": {"1.6.0": []},
+    "torch": {"2.11.0": [], "2.13.0": []},
+    "huggingface-hub": {"1.33.0": [], "1.40.0": []},
+    "numpy": {"2.5.2": [], "2.6.0": []},
+    "psutil": {"7.2.2": []},
+}
+
+
+def test_uv_resolves_for_the_target_and_the_host_keeps_what_satisfies(tmp_path, monkeypatch):
     monkeypatch.setattr(wheelhouse, "test_requirements", lambda groups=(): ["pytest==9.2.0"])
     (vset,) = resolve(["seed"])
-    index = FakeIndex(tmp_path, {
-        "transformers": {"5.6.2": ["huggingface-hub>=1.3,<2", "tokenizers<0.23,>=0.22", "numpy>=1.17"]},
-        "peft": {"0.19.1": ["torch>=1.13", "accelerate>=0.21", "transformers"]},
-        "accelerate": {"1.13.0": ["torch>=2.0", "psutil", "numpy<3"]},
-        "bitsandbytes": {"0.49.2": ["torch<3,>=2.3", "numpy>=1.17", "extra-only; extra == 'dev'"]},
-        "pytest": {"9.2.0": ["pluggy<2,>=1.5", "colorama; sys_platform == 'win32'"]},
-        "tokenizers": {"0.22.2": [], "0.23.2": []},
-        "pluggy": {"1.6.0": []},
-    })
+    index = FakeIndex(tmp_path, SEED_RELEASES)
     host = {"torch": Version("2.11.0"), "huggingface-hub": Version("1.33.0"), "tokenizers": Version("0.23.2"),
             "numpy": Version("2.5.2"), "psutil": Version("7.2.2")}
 
-    wheels = wheelhouse.wheels_for_set(vset, index, wheelhouse.target_markers("3.12"), host, cuda=None)
+    wheels = wheelhouse.wheels_for_set(vset, index, "3.12", host, cuda=None, index_args=index.index_args)
 
     assert sorted(w.name.split("-")[0] for w in wheels) == ["accelerate", "bitsandbytes", "peft", "pluggy", "pytest", "tokenizers", "transformers"]
-    assert "tokenizers<0.23,>=0.22" in index.asked  # the host's 0.23.2 does not satisfy transformers 5.6.2
-    assert not any(a.startswith(("torch", "numpy", "colorama", "extra-only")) for a in index.asked)
+    assert "tokenizers==0.22.2" in index.asked  # the host's 0.23.2 does not satisfy transformers 5.6.2
+    assert not any(a.startswith(("torch", "numpy", "huggingface-hub", "colorama", "extra-only")) for a in index.asked)
 
 
-def test_a_host_torch_outside_a_pin_is_a_user_error(tmp_path, monkeypatch):
+def test_a_host_torch_outside_a_pin_cannot_resolve(tmp_path, monkeypatch):
     monkeypatch.setattr(wheelhouse, "test_requirements", lambda groups=(): [])
     (vset,) = resolve(["seed"])
     index = FakeIndex(tmp_path, {"transformers": {"5.6.2": []}, "peft": {"0.19.1": ["torch>=2.12"]},
-                                 "accelerate": {"1.13.0": []}, "bitsandbytes": {"0.49.2": []}})
-    with pytest.raises(UsageError, match="needs torch>=2.12; the target has torch 2.11.0"):
-        wheelhouse.wheels_for_set(vset, index, wheelhouse.target_markers("3.12"), {"torch": Version("2.11.0")}, None)
+                                 "accelerate": {"1.13.0": []}, "bitsandbytes": {"0.49.2": []}, "torch": {"2.11.0": [], "2.13.0": []}})
+    with pytest.raises(EnvBuildError, match="uv cannot resolve .*torch"):
+        wheelhouse.wheels_for_set(vset, index, "3.12", {"torch": Version("2.11.0")}, None, index.index_args)
 
 
 def test_bitsandbytes_keeps_one_cuda_binary_and_a_consistent_record(tmp_path):
