@@ -10,14 +10,15 @@ upgrade brings in from the rest of the ledger. `diagnose` is a pure function of 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from dataclasses import asdict, dataclass
 
 from packaging.specifiers import Specifier
 
-from stackcheck import hostinfo
+from stackcheck import REPO_ROOT, hostinfo
 from stackcheck.ledger import Bug, Ledger
-from stackcheck.versions import CURRENT_SET, LIBRARIES, PACKAGES, UsageError, installed_versions
+from stackcheck.versions import CURRENT_SET, LIBRARIES, UsageError, installed_versions
 
 
 
@@ -93,13 +94,10 @@ def versions_of(python: str | None) -> dict[str, str]:
     """The installed versions of this interpreter, or of the interpreter at `python`."""
     if python is None:
         return installed_versions()
-    code = ("import importlib.metadata as m, json, platform; v = {'python': platform.python_version()}\n"
-            f"for p in {PACKAGES!r}:\n"
-            "    try: v[p] = m.version(p)\n"
-            "    except m.PackageNotFoundError: v[p] = 'absent'\n"
-            "print(json.dumps(v))")
+    code = "import json; from stackcheck.versions import installed_versions; print(json.dumps(installed_versions()))"
     try:
-        completed = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30)
+        completed = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30,
+                                   env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
     except OSError as exc:
         raise UsageError(f"--python {python}: cannot run it ({exc.strerror})") from None
     if completed.returncode != 0:
