@@ -104,7 +104,7 @@ def check_device_map(scan: Scan, model, device_map: dict) -> None:
         scan.add("device_map_key_names_no_module", f"'{key}' names no module of {scan.architecture}: accelerate ignores it")
 
 
-def check_quantization(scan: Scan, model, config, device_map: dict | None, versions: dict[str, str], cpu_flags: str) -> None:
+def check_quantization(scan: Scan, model, config, device_map: dict | None, known_bugs: list[str]) -> None:
     from stackcheck import scenario
 
     quantized = scenario.linear4bit_modules(model)
@@ -115,8 +115,7 @@ def check_quantization(scan: Scan, model, config, device_map: dict | None, versi
     scan.quantization = {part: dict(types) for part, types in per_part.items()}
     for entry in scenario.ineffective_skips(model, list(config.llm_int8_skip_modules or [])):
         scan.add("skip_module_keeps_nothing", f"llm_int8_skip_modules entry '{entry}' keeps nothing unquantized")
-    packed = [d for d in doctor.diagnose(Ledger(), versions, cpu_flags) if d.bug in PACKED_PATH_BUGS]
-    if not packed or device_map is None:
+    if not set(PACKED_PATH_BUGS) & set(known_bugs) or device_map is None:
         return
     rejected: dict[tuple[int, int], list[str]] = {}
     for name, module in quantized.items():
@@ -195,7 +194,7 @@ def run(args) -> int:
     versions, cpu_flags = installed_versions(), hostinfo.cpu_facts()["cpu_flags"]
     doctor.require_stack(versions, None, "run the scan with the Python of the environment that loads the model")
     model, architecture = build_on_meta(args.model, config_data)
-    scan = Scan(str(args.model), architecture)
+    scan = Scan(str(args.model), architecture, known_bugs=[d.bug for d in doctor.diagnose(Ledger(), versions, cpu_flags)])
     if device_map is None and max_memory is not None:
         from accelerate import infer_auto_device_map
 
@@ -203,11 +202,10 @@ def run(args) -> int:
     if device_map:
         check_device_map(scan, model, device_map)
     if quantization is not None:
-        check_quantization(scan, model, quantize_on_meta(model, quantization, device_map), device_map, versions, cpu_flags)
+        check_quantization(scan, model, quantize_on_meta(model, quantization, device_map), device_map, scan.known_bugs)
     if adapter_config is not None:
         check_lora_targets(scan, model, adapter_config)
     check_kv_sharing(scan, model, device_map)
-    scan.known_bugs = [d.bug for d in doctor.diagnose(Ledger(), versions, cpu_flags)]
     print(json.dumps(asdict(scan), indent=2) if args.json else render(scan, versions))
     return 1 if scan.findings or scan.known_bugs else 0
 
