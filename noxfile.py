@@ -34,6 +34,8 @@ COMMANDS = {
     "scan": "Preflight a model folder (+ adapter folder) on meta: `-- MODEL [ADAPTER] [--device-map J] [--quantization J]`.",
     "merge": "Merge per-job matrix.json files: `-- a/matrix.json b/matrix.json [--output results/matrix.json]`.",
     "bisect": "First release where a family flips: `-- accelerate --good 1.15.0 --bad 1.13.0 --family params4bit_kwargs`.",
+    "history": "Every release of a package through every family: `-- transformers --from 5.6.2 --to 5.23.0`; writes results/history-<package>.{json,md,png}.",
+    "watch": "The newest releases gated against `latest`, and each family that flips bisected (the scheduled CI job); writes results/watch/.",
     "gate": "Baseline set vs candidate set: `-- --set seed --with accelerate==1.14.0`; non-zero on a regression.",
 }
 

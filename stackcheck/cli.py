@@ -7,12 +7,15 @@ import sys
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, bench_compare, bench_report, bisect, doctor, envs, gate, repro, results, scan, wheelhouse
+from stackcheck import REPO_ROOT, bench_compare, bench_report, doctor, envs, gate, repro, results, scan, wheelhouse
+from stackcheck.releases import bisect, history
+from stackcheck.releases import watch as watch_module
 from stackcheck.lane import CPU_LANE, bench_set, check_ledger, record_unbuildable, run_pytest
 from stackcheck.ledger import LedgerError
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
 
 DEFAULT_RESULTS = REPO_ROOT / "results" / "matrix.json"
+STORE_HELP = "the probe store that history, bisect and watch share (default: results/probes.json)"
 BENCH_RESULTS = REPO_ROOT / "results" / "bench"
 
 
@@ -67,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     house.add_argument("--platform", dest="platforms", action="append", help="wheel platform tag (default: manylinux x86-64)")
     house.add_argument("--cuda", help="keep only this CUDA build of the bitsandbytes binaries, e.g. 130 for CUDA 13.0")
     house.add_argument("--host-freeze", type=absolute_path, help="the target's `pip list --format=freeze`: leave out what it has")
+    house.add_argument("--sweep", metavar="PACKAGE", help="add one set per release of PACKAGE from --from to --to (a history sweep)")
+    house.add_argument("--from", dest="start", metavar="VERSION", help="with --sweep: the oldest release")
+    house.add_argument("--to", dest="end", metavar="VERSION", help="with --sweep: the newest release")
+    house.add_argument("--batch-mib", type=int, metavar="N", help="also split the wheels into batch-NN folders of at most N MiB")
 
     bench = commands.add_parser("bench", help="VRAM and tokens/s of each set, as ratios against a baseline set")
     add_set_options(bench, many=True)
@@ -94,6 +101,30 @@ def _parser() -> argparse.ArgumentParser:
     bisect.add_argument("--pre", action="store_true", help="include pre-releases from the package index")
     bisect.add_argument("--git", type=absolute_path, metavar="CLONE", help="search the commits of a local clone between --good and --bad")
     bisect.add_argument("--output", type=absolute_path, help="json to write (default: results/bisect-<package>-<family>.json)")
+    bisect.add_argument("--store", type=absolute_path, help=STORE_HELP)
+
+    history = commands.add_parser("history", help="every release of a package in a range through every family: the compatibility map")
+    history.add_argument("package", help="the package to sweep; the others stay pinned to --set")
+    history.add_argument("--from", dest="start", required=True, metavar="VERSION", help="the oldest release swept")
+    history.add_argument("--to", dest="end", required=True, metavar="VERSION", help="the newest release swept")
+    add_set_options(history, many=False)
+    history.add_argument("--candidates", help="comma-separated releases to sweep instead of the package index's")
+    history.add_argument("--pre", action="store_true", help="include pre-releases from the package index")
+    history.add_argument("--families", help="comma-separated families (default: all)")
+    history.add_argument("--gpu", action="store_true", help="both lanes, on a GPU host (default: the CPU lane)")
+    history.add_argument("--jobs", type=int, help="probes run side by side (default: one per two cores)")
+    history.add_argument("--store", type=absolute_path, help=STORE_HELP)
+    history.add_argument("--output", type=absolute_path, help="the map's json, with .md and .png beside it (default: results/history-<package>.json)")
+    history.add_argument("--render-only", action="store_true", help="run nothing: draw the map in --output again")
+
+    watch = commands.add_parser("watch", help="gate the newest releases against `latest`; bisect each family that flips")
+    watch.add_argument("--set", dest="sets", help="the recorded set to compare with (default: latest)")
+    watch.add_argument("--releases", type=absolute_path, metavar="JSON",
+                       help="{package: [releases]} to use instead of the package index (an offline or test index)")
+    watch.add_argument("--find-links", action="append", default=[], metavar="DIR", help="extra wheel folder")
+    watch.add_argument("--no-index", action="store_true", help="install only from --find-links folders")
+    watch.add_argument("--store", type=absolute_path, help=STORE_HELP)
+    watch.add_argument("--output", type=absolute_path, default=watch_module.DEFAULT_OUTPUT, help="folder for summary.md and the bisect records")
 
     gate = commands.add_parser("gate", help="fail when a candidate set regresses a family against a baseline set")
     add_set_options(gate, many=False)  # --set is the baseline; --with bumps the candidate
@@ -216,9 +247,19 @@ def run_bench(args) -> int:
 def run_wheelhouse(args) -> int:
     check_folder_option("--dest", args.dest)
     platforms = args.platforms or wheelhouse.MANYLINUX_X86_64
-    manifest = wheelhouse.build(_selected(args), args.dest, args.python_version, platforms, args.cuda, args.host_freeze)
+    sets = _selected(args)
+    if args.sweep:
+        if not (args.start and args.end):
+            raise UsageError("--sweep needs --from and --to")
+        releases = history.releases_in_range(args.sweep, args.start, args.end)
+        sets += [resolve([base.name], [f"{args.sweep}=={release}"])[0] for base in sets for release in releases]
+    if args.batch_mib is not None and args.batch_mib < 1:
+        raise UsageError(f"--batch-mib {args.batch_mib}: a batch must hold at least 1 MiB")
+    manifest = wheelhouse.build(sets, args.dest, args.python_version, platforms, args.cuda, args.host_freeze, args.batch_mib)
     for name, entry in manifest["sets"].items():
         print(f"{name}: {len(entry['wheels'])} wheels, {entry['mib']} MiB: {', '.join(entry['wheels'])}")
+    for batch in manifest.get("batches", []):
+        print(f"{batch['folder']}: {len(batch['wheels'])} wheels, {batch['mib']} MiB, completes {', '.join(batch['completes'])}")
     print(f"wrote {args.dest} ({manifest['mib']} MiB in all) and its {wheelhouse.MANIFEST}")
     return 0
 
@@ -242,9 +283,18 @@ def main(argv: list[str] | None = None) -> int:
             print(refresh_latest())
             return 0
         if args.command == "bisect":
-            if args.output:
-                check_file_option("--output", args.output)
+            for option, path in (("--output", args.output), ("--store", args.store)):
+                if path:
+                    check_file_option(option, path)
             return bisect.run(args)
+        if args.command == "history":
+            for option, path in (("--output", args.output), ("--store", args.store)):
+                if path:
+                    check_file_option(option, path)
+            return history.run(args)
+        if args.command == "watch":
+            check_folder_option("--output", args.output)
+            return watch_module.run(args)
         if args.command == "gate":
             check_folder_option("--output", args.output)
             return gate.run(args)

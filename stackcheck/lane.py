@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,12 +17,19 @@ from stackcheck.versions import UsageError, VersionSet
 
 # The CPU lane alone (GPU cells would only be skipped on a CPU host); the cache plugin would share state between runs.
 CPU_LANE = "--stackcheck-lanes=cpu"
-CPU_LANE_ARGS = ["-q", "-p", "no:cacheprovider", CPU_LANE]
+# When (time.time()) the runner launched a pytest process: where the start-up share of stackcheck.plugin.Timing begins.
+LAUNCHED_AT_ENV = "STACKCHECK_LAUNCHED_AT"
+
+
+def lane_args(lanes: tuple[str, ...]) -> list[str]:
+    """pytest options of a family run in `lanes` (("cpu",), or ("gpu", "cpu") on a GPU host)."""
+    return ["-q", "-p", "no:cacheprovider", f"--stackcheck-lanes={','.join(lanes)}"]
 
 
 def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[str], results_path: Path | None,
-               baseline: str | None = None) -> int:
-    """`baseline`: the set of this run whose trained adapter this set loads (stackcheck.exchange)."""
+               baseline: str | None = None, env: dict[str, str] | None = None) -> int:
+    """`baseline`: the set of this run whose trained adapter this set loads (stackcheck.exchange); `env`:
+    variables added to the process's environment."""
     # A family module that fails to import gets error cells; the other families still run.
     command = [str(python), "-m", "pytest", *targets, f"--stackcheck-set={vset.name}", "--continue-on-collection-errors", *extra]
     if results_path:
@@ -28,7 +37,8 @@ def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[s
     if baseline:
         command.append(f"--stackcheck-baseline={baseline}")
     print("+", " ".join(command), flush=True)
-    return subprocess.call(command, cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    variables = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}), **{LAUNCHED_AT_ENV: repr(time.time())})
+    return subprocess.call(command, cwd=REPO_ROOT, env=variables)
 
 
 def check_ledger() -> None:
@@ -88,13 +98,33 @@ def one_test(node_id: str) -> tuple[str, str]:
 
 def run(vset: VersionSet, targets: list[str], results_path: Path, find_links=(), no_index: bool = False,
         baseline: str | None = None) -> list[dict]:
-    """Run `targets` for `vset` into results_path and return its cells. An environment that cannot be
-    built gets an `error` cell in every family instead, as in the matrix."""
+    """Run `targets` for `vset` on the CPU lane into results_path and return its cells. An environment
+    that cannot be built gets an `error` cell in every family instead, as in the matrix."""
+    return run_timed(vset, targets, results_path, find_links, no_index, baseline)[0]
+
+
+def run_timed(vset: VersionSet, targets: list[str], results_path: Path, find_links=(), no_index: bool = False,
+              baseline: str | None = None, lanes: tuple[str, ...] = ("cpu",), env: dict[str, str] | None = None,
+              ) -> tuple[list[dict], dict[str, float | None]]:
+    """`run`, in `lanes`, with what it cost in seconds: environment (built or reused), start-up
+    (interpreter, imports, collection), fixtures (tiny checkpoints built), tests, exit; and in all."""
     check_ledger()
+    started = time.monotonic()
+    costs: dict[str, float | None] = {}
     try:
         python = envs.build(vset, find_links, no_index)
     except envs.EnvBuildError as exc:
         record_unbuildable(results_path, vset, str(exc))
+        costs["environment"] = time.monotonic() - started
     else:
-        run_pytest(python, vset, targets, CPU_LANE_ARGS, results_path, baseline)
-    return [c for c in results.load(results_path)["cells"] if c["set"] == vset.name]
+        costs["environment"] = time.monotonic() - started
+        with tempfile.TemporaryDirectory(prefix="stackcheck-timing-") as scratch:
+            timing = Path(scratch) / "timing.json"
+            launched = time.monotonic()
+            run_pytest(python, vset, targets, [*lane_args(lanes), f"--stackcheck-timing={timing}"], results_path, baseline, env)
+            ended = time.monotonic() - launched
+            split = json.loads(timing.read_text()) if timing.exists() else {}
+        costs |= {key: split.get(key) for key in ("startup", "fixtures", "tests")}
+        costs["exit"] = ended - split["until_exit"] if split.get("until_exit") is not None else None
+    costs["total"] = time.monotonic() - started
+    return [c for c in results.load(results_path)["cells"] if c["set"] == vset.name], costs

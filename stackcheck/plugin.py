@@ -19,12 +19,15 @@ ones) through CUDA_VISIBLE_DEVICES, set before anything in the worker initialise
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 
-from stackcheck import exchange, hostinfo, results, scenario
+from stackcheck import exchange, hostinfo, results, scenario, tiny
+from stackcheck.lane import LAUNCHED_AT_ENV
 from stackcheck.ledger import (
     ERROR, FIXED, KNOWN_BUG, NOT_AFFECTED, SKIPPED, Failure, Judgement, Ledger, LedgerError, family_modules,
 )
@@ -44,6 +47,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--stackcheck-lanes", default=",".join(results.LANES), help="comma-separated lanes to run (cpu, gpu)")
     group.addoption("--stackcheck-baseline", default=None,
                     help="the set of this run whose trained adapter this set loads (stackcheck.exchange; needs --stackcheck-results)")
+    group.addoption("--stackcheck-timing", default=None,
+                    help="JSON file to write the run's cost breakdown to: start-up, fixture build, tests, exit")
 
 
 def visible_gpus() -> list[str]:
@@ -77,6 +82,8 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--stackcheck-lanes: unknown lane in {config.stackcheck_lanes} (lanes: {', '.join(results.LANES)})")
     config.stackcheck_versions = installed_versions()
     config.stackcheck_platform = hostinfo.platform_facts()
+    if config.getoption("--stackcheck-timing") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(Timing(Path(config.getoption("--stackcheck-timing"))), "stackcheck-timing")
     path = config.getoption("--stackcheck-results")
     if path and not hasattr(config, "workerinput"):  # the xdist controller (or a plain run) owns the file
         recorder = Recorder(Path(path), config.getoption("--stackcheck-set"), config.stackcheck_lanes)
@@ -254,3 +261,32 @@ class Recorder:
             cell = self._lost(report.nodeid, family, f"cell lost: {lines[0] if lines else 'worker crashed'}")
         if cell is not None:
             results.record_cells(self.path, [dict(cell, seconds=round(self.seconds[report.nodeid], 2))], self.fingerprint)
+
+
+class Timing:
+    """A run's cost split, written to --stackcheck-timing at exit: start-up (interpreter, imports and
+    collection, from the runner's launch), fixture build (the tiny checkpoints this process built), tests
+    (every setup, call and teardown, less the fixture build). Under xdist the tests run in the workers, so
+    the split is of the controller's view and fixture build is unknown (null)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        launched = os.environ.get(LAUNCHED_AT_ENV)
+        self.launched = float(launched) if launched else None
+        self.collected: float | None = None
+        self.phases = 0.0
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.collected = time.time()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.phases += report.duration
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        distributed = bool(getattr(config.option, "numprocesses", None))
+        fixtures = None if distributed else sum(seconds for _name, seconds in tiny.BUILT)
+        startup = self.collected - self.launched if self.launched and self.collected else None
+        self.path.write_text(json.dumps({
+            "startup": startup, "fixtures": fixtures, "tests": self.phases - (fixtures or 0.0),
+            "until_exit": time.time() - self.launched if self.launched else None,
+        }))

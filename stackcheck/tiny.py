@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from functools import cache
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from stackcheck import REPO_ROOT
 # A harness test points this elsewhere to break a precondition on purpose.
 FIXTURES_DIR = Path(os.environ.get("STACKCHECK_FIXTURES", REPO_ROOT / "fixtures"))
 SEED = 0
+# The fixtures this process built, with their seconds: the "fixture build" share of a run's cost breakdown.
+BUILT: list[tuple[str, float]] = []
 
 
 def _fixture(name: str) -> dict:
@@ -65,6 +68,7 @@ def _build_once(target: Path, build) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    started = time.monotonic()
     try:
         try:
             build(scratch)
@@ -73,6 +77,7 @@ def _build_once(target: Path, build) -> Path:
         except Exception as exc:
             raise FixtureError(f"fixture {target.name} cannot be built: {type(exc).__name__}: {exc}") from exc
         os.replace(scratch, target)
+        BUILT.append((target.name, time.monotonic() - started))
     except OSError:
         if not target.exists():  # lost a race to another worker: theirs is as good as ours
             raise

@@ -6,6 +6,15 @@ target's `pip list --format=freeze`), whatever the target already has in a versi
 requirement on it is left out too. bitsandbytes wheels bundle one binary per CUDA version (43 to 61 MB);
 `--cuda 130` keeps only that one and the CPU one, so each set fits a 64 MiB transfer.
 
+A long sweep (`history`) needs one set per release: `--sweep PACKAGE --from A --to B` adds them. A host
+that receives files in transfers of at most N MiB gets `--batch-mib N`: batch-01, batch-02, ... folders
+(hard links, no copies) that each fit one transfer. The first holds the first set's wheels, which every
+release shares; each later one the next releases' own wheels (for transformers, its wheel alone), as many
+as fit. The manifest says which sets each batch completes: copy every batch received into one folder,
+run `history ... --find-links FOLDER --no-index`, and run it again after each batch. A release whose wheels
+have not arrived yet does not build and is not stored, and the ones already run come from the probe store,
+so each run probes only the releases the new batch completed.
+
 uv's resolver picks the versions for the target (`uv pip compile --python-platform --python-version`), as
 pip would install them there: torch held at the target's version, the target's other packages preferred where
 they satisfy the requirements. pip then downloads each wheel the target lacks (`pip download --no-deps`).
@@ -14,6 +23,7 @@ they satisfy the requirements. pip then downloads each wheel the target lacks (`
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -27,12 +37,12 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
 from stackcheck.envs import BENCH_GROUPS, EnvBuildError, test_requirements
+from stackcheck.envs import WHEELHOUSE_MANIFEST as MANIFEST
 from stackcheck.versions import UsageError, VersionSet
 
 UV_PLATFORM = "x86_64-manylinux_2_28"  # the GPU hosts' glibc; uv's name for the wheel tags pip gets from MANYLINUX_X86_64
 MANYLINUX_X86_64 = [f"manylinux_2_{minor}_x86_64" for minor in range(17, 40)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
 PROVIDED_BY_TARGET = {"torch"}  # the platform: the target's own (CUDA) build, never downloaded
-MANIFEST = "wheelhouse.json"
 
 
 def read_freeze(path: Path) -> dict[str, Version]:
@@ -131,8 +141,27 @@ def wheels_for_set(vset: VersionSet, download, python_version: str, host: dict[s
     return sorted(wheels)
 
 
+def batches(sets: dict[str, dict], sizes: dict[str, int], limit: int) -> list[dict]:
+    """Split the sets' wheels into transfers of at most `limit` bytes, in set order, each set's new wheels
+    together; each batch lists the wheels it carries and the sets it completes."""
+    shipped: set[str] = set()
+    found: list[dict] = []
+    for name, entry in sets.items():
+        new = [w for w in entry["wheels"] if w not in shipped]
+        size = sum(sizes[w] for w in new)
+        if size > limit:
+            raise UsageError(f"set '{name}' needs {size / 2**20:.1f} MiB of new wheels, more than one {limit / 2**20:.0f} MiB batch")
+        if not found or found[-1]["bytes"] + size > limit:
+            found.append({"wheels": [], "bytes": 0, "completes": []})
+        found[-1]["wheels"] += new
+        found[-1]["bytes"] += size
+        found[-1]["completes"].append(name)
+        shipped.update(new)
+    return found
+
+
 def build(sets: list[VersionSet], dest: Path, python_version: str, platforms: list[str], cuda: str | None,
-          host_freeze: Path | None) -> dict:
+          host_freeze: Path | None, batch_mib: int | None = None) -> dict:
     """Fill `dest` for every set; write and return the manifest (wheels and their size per set)."""
     if host_freeze and not host_freeze.is_file():
         raise UsageError(f"no such host freeze file: {host_freeze}")
@@ -148,5 +177,19 @@ def build(sets: list[VersionSet], dest: Path, python_version: str, platforms: li
             "mib": round(sum(w.stat().st_size for w in wheels) / 2**20, 1),
         }
     manifest["mib"] = round(sum(w.stat().st_size for w in dest.glob("*.whl")) / 2**20, 1)
-    (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    if batch_mib:
+        sizes = {w.name: w.stat().st_size for w in dest.glob("*.whl")}
+        manifest["batches"] = []
+        for number, batch in enumerate(batches(manifest["sets"], sizes, batch_mib * 2**20), 1):
+            folder = dest / f"batch-{number:02d}"
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            for wheel in batch["wheels"]:
+                os.link(dest / wheel, folder / wheel)
+            manifest["batches"].append({"folder": folder.name, "mib": round(batch["bytes"] / 2**20, 1),
+                                        "wheels": batch["wheels"], "completes": batch["completes"]})
+    text = json.dumps(manifest, indent=2) + "\n"
+    (dest / MANIFEST).write_text(text)
+    for batch in manifest.get("batches", []):  # each batch carries the manifest: the folder they arrive in has it
+        (dest / batch["folder"] / MANIFEST).write_text(text)
     return manifest

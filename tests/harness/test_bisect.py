@@ -10,7 +10,7 @@ import pytest
 from packaging.version import Version
 
 from stackcheck import cli
-from stackcheck.bisect import BAD, GOOD, UNTESTABLE, Bisection, Candidate, git_candidates, release_candidates, search
+from stackcheck.releases.bisect import BAD, GOOD, UNTESTABLE, Bisection, Candidate, git_candidates, release_candidates, search
 from stackcheck.versions import UsageError
 
 TEST = "tests/families/test_params4bit_kwargs.py::test_offload_hook_moves_loaded_param_to_meta"

@@ -43,3 +43,15 @@ def test_long_set_names_keep_distinct_env_folders():
     )
     assert first.slug != second.slug
     assert len(first.slug) <= 100
+
+
+def test_a_wheelhouse_manifest_gives_the_exact_wheels_of_a_set_it_holds_whole(tmp_path):
+    import json
+
+    (vset,) = resolve(["seed"])
+    (tmp_path / envs.WHEELHOUSE_MANIFEST).write_text(json.dumps({"sets": {"seed": {"wheels": ["a.whl", "b.whl"]}}}))
+    (tmp_path / "a.whl").write_bytes(b"")
+    assert envs.resolved_wheels(vset, [str(tmp_path)]) is None  # b.whl has not arrived: pip resolves instead
+    (tmp_path / "b.whl").write_bytes(b"")
+    assert envs.resolved_wheels(vset, [str(tmp_path)]) == [tmp_path / "a.whl", tmp_path / "b.whl"]
+    assert envs.resolved_wheels(resolve(["latest"])[0], [str(tmp_path)]) is None

@@ -1,4 +1,4 @@
-"""The wheelhouse walk and the bitsandbytes trim, on wheels built here (no network)."""
+"""The wheelhouse: uv's resolution for the target, the batches of a long sweep and the bitsandbytes trim, on wheels built here (no network)."""
 
 import zipfile
 from pathlib import Path
@@ -94,3 +94,21 @@ def test_bitsandbytes_keeps_one_cuda_binary_and_a_consistent_record(tmp_path):
     assert not any(d in names or d in record for d in dropped)
     with pytest.raises(UsageError, match="has no libbitsandbytes_cuda126.so"):
         wheelhouse.keep_one_cuda_binary(wheel, "126")
+
+
+def test_a_sweep_splits_into_batches_that_each_fit_one_transfer():
+    mib = 2**20
+    sets = {"seed": {"wheels": ["peft.whl", "accelerate.whl", "bnb.whl", "t1.whl"]},
+            "seed+t2": {"wheels": ["peft.whl", "accelerate.whl", "bnb.whl", "t2.whl"]},
+            "seed+t3": {"wheels": ["peft.whl", "accelerate.whl", "bnb.whl", "t3.whl"]},
+            "seed+t4": {"wheels": ["peft.whl", "accelerate.whl", "bnb.whl", "t4.whl"]}}
+    sizes = {"peft.whl": 1 * mib, "accelerate.whl": 1 * mib, "bnb.whl": 30 * mib, "t1.whl": 12 * mib, "t2.whl": 12 * mib,
+             "t3.whl": 12 * mib, "t4.whl": 12 * mib}
+    found = wheelhouse.batches(sets, sizes, 64 * mib)
+    assert [(b["wheels"], b["completes"]) for b in found] == [
+        (["peft.whl", "accelerate.whl", "bnb.whl", "t1.whl", "t2.whl"], ["seed", "seed+t2"]),
+        (["t3.whl", "t4.whl"], ["seed+t3", "seed+t4"]),
+    ]
+    assert all(b["bytes"] <= 64 * mib for b in found)
+    with pytest.raises(UsageError, match="more than one 40 MiB batch"):
+        wheelhouse.batches(sets, sizes, 40 * mib)

@@ -11,15 +11,18 @@ good endpoint's, so a third outcome (a new signature between the endpoints) coun
 the evidence. A probe with an `error` or `skipped` cell (scenario not reached), or whose environment
 cannot be built, is untestable and skipped as `git bisect skip` does. A probe on the newer endpoint's
 side has flipped: it runs again, and a probe whose two runs disagree is flaky, hence untestable too.
+
+Probes run whole families and go to the probe store `history` fills (stackcheck.releases.probes), and a
+candidate the store already holds (same environment, family definitions and platform) is answered from
+it: a bisect over a range that `history` swept runs nothing. A stored probe ran once, so its re-run
+replays it; the flake check holds for probes run by this bisect.
 """
 
 from __future__ import annotations
 
 import datetime
-import itertools
 import re
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -28,6 +31,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from stackcheck import REPO_ROOT, lane, results
+from stackcheck.releases.probes import DEFAULT_STORE, Prober, ProbeStore
 from stackcheck.ledger import ERROR, FIXED, PASS, SKIPPED
 from stackcheck.versions import PACKAGES, UsageError, default_set, index_versions, parse_pin, resolve
 
@@ -50,7 +54,7 @@ class Probe:
     seconds: float
 
 
-def _version(text: str, what: str) -> Version:
+def version_option(text: str, what: str) -> Version:
     try:
         return Version(text)
     except InvalidVersion:
@@ -115,9 +119,16 @@ def search(count: int, newer_side: Callable[[int], bool | None]) -> tuple[int, i
             older = index
 
 
-def observed(cells: list[dict]) -> tuple:
-    """What a probe saw, comparable across versions: each test's verdict (`fixed` as `pass`) and bug."""
-    return tuple(sorted((c["test"], PASS if c["verdict"] == FIXED else c["verdict"], c.get("bug") or "") for c in cells))
+def signature_shape(signature: str | None) -> str:
+    """A signature with its numbers blanked: a measured error or an index is not a new signature."""
+    return re.sub(r"\d+(\.\d+)?", "#", signature or "")
+
+
+def observed(cells: list[dict], signatures: bool = False) -> tuple:
+    """What a probe saw, comparable across versions: each test's verdict (`fixed` as `pass`) and bug, and
+    with `signatures` its signature shape too."""
+    return tuple(sorted((c["test"], PASS if c["verdict"] == FIXED else c["verdict"], c.get("bug") or "")
+                        + ((signature_shape(c.get("signature")),) if signatures else ()) for c in cells))
 
 
 def _untestable_reason(cells: list[dict], expected_tests: set[str] | None) -> str | None:
@@ -135,14 +146,19 @@ class Bisection:
     """One bisect run: probes candidates through `run_cells` and writes `record` to `output` after each."""
 
     def __init__(self, candidates: list[Candidate], good_is_newer: bool, run_cells: Callable[[Candidate], list[dict]],
-                 record: dict, output: Path | None = None):
+                 record: dict, output: Path | None = None, signatures: bool = False):
+        """`signatures`: a changed signature is a flip too (not only a changed verdict or bug)."""
         self.candidates, self.good_is_newer, self.run_cells, self.output = candidates, good_is_newer, run_cells, output
+        self.signatures = signatures
         self.good_outcome: tuple | None = None
         self.good_tests: set[str] | None = None
-        self.record = dict(record, candidates=[c.label for c in candidates], status="running", answer=None, probes=[],
+        self.record = dict(record, candidates=[c.label for c in candidates], status="running", answer=None, probes=[], signatures=signatures,
                            direction="first fixed in" if good_is_newer else "first broken in")
         self.started = time.monotonic()
         self._write()
+
+    def _outcome(self, cells: list[dict]) -> tuple:
+        return observed(cells, self.signatures)
 
     def _write(self) -> None:
         self.record["seconds"] = round(time.monotonic() - self.started, 1)
@@ -155,7 +171,7 @@ class Bisection:
         reason = _untestable_reason(cells, self.good_tests)
         if reason:
             side = UNTESTABLE
-        elif self.good_outcome is None or observed(cells) == self.good_outcome:
+        elif self.good_outcome is None or self._outcome(cells) == self.good_outcome:
             side = GOOD
         else:
             side = BAD
@@ -174,7 +190,7 @@ class Bisection:
         if (first.side == GOOD) != self.good_is_newer:
             return False
         second = self._probe(candidate, 2)
-        if observed(second.cells) != observed(first.cells):
+        if self._outcome(second.cells) != self._outcome(first.cells):
             self.record["probes"][-1].update(side=UNTESTABLE, reason="flaky: its two runs disagree")
             self._write()
             return None
@@ -198,14 +214,14 @@ class Bisection:
         good_probe = self._probe(good, 1)
         if good_probe.side == UNTESTABLE:
             return self._finish(f"the good endpoint {good.label} is untestable: {good_probe.reason}")
-        self.good_outcome, self.good_tests = observed(good_probe.cells), {c["test"] for c in good_probe.cells}
+        self.good_outcome, self.good_tests = self._outcome(good_probe.cells), {c["test"] for c in good_probe.cells}
         bad_probe = self._probe(bad, 1)
         if bad_probe.side == GOOD:
             return self._finish(f"the endpoints do not differ: {bad.label} gives the same verdicts as {good.label}")
         if bad_probe.side == UNTESTABLE:
             return self._finish(f"the bad endpoint {bad.label} is untestable: {bad_probe.reason}")
         newer_first = good_probe if self.good_is_newer else bad_probe
-        if observed(self._probe(self.candidates[-1], 2).cells) != observed(newer_first.cells):
+        if self._outcome(self._probe(self.candidates[-1], 2).cells) != self._outcome(newer_first.cells):
             return self._finish(f"the newer endpoint {self.candidates[-1].label} is flaky: its two runs disagree")
         older, newer = search(len(self.candidates), self._newer_side)
         labels = [c.label for c in self.candidates]
@@ -247,15 +263,16 @@ def run(args) -> int:
         raise UsageError(f"unknown package '{args.package}' (known: {', '.join(PACKAGES)})")
     if any(parse_pin(token).package == package for token in args.overrides):
         raise UsageError(f"--with pins {package}, the package being bisected")
-    family, targets = (lane.one_test(args.test)[0], [args.test]) if args.test else (args.family, lane.family_targets([args.family]))
+    family = lane.one_test(args.test)[0] if args.test else args.family
+    lane.family_targets([family])  # an unknown family is a usage error
     (base,) = resolve([args.sets or default_set().name])
     if args.git:
         candidates, good_is_newer = git_candidates(package, args.git, args.good, args.bad)
         source = f"first-parent commits of {args.git.resolve()}"
     else:
-        good, bad = _version(args.good, "--good"), _version(args.bad, "--bad")
+        good, bad = version_option(args.good, "--good"), version_option(args.bad, "--bad")
         if args.candidates:
-            listed, source = [_version(v, "--candidates") for v in args.candidates.split(",")], "--candidates"
+            listed, source = [version_option(v, "--candidates") for v in args.candidates.split(",")], "--candidates"
         else:
             listed, source = index_versions(package, pre=args.pre or good.is_prerelease or bad.is_prerelease), "the package index"
         candidates, good_is_newer = release_candidates(package, good, bad, listed), good > bad
@@ -267,14 +284,15 @@ def run(args) -> int:
     output = args.output or default_output(package, family, args.test)
     print(f"== bisect {package} over {len(candidates)} candidates from {source}; writing {output}", flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="stackcheck-bisect-") as scratch:
-        runs = itertools.count(1)
+    store = ProbeStore(args.store or DEFAULT_STORE)
+    prober = Prober(store, args.find_links, args.no_index)
 
-        def run_cells(candidate: Candidate) -> list[dict]:
-            (vset,) = resolve([base.name], [*args.overrides, candidate.pin])
-            return lane.run(vset, targets, Path(scratch) / f"run-{next(runs)}.json", args.find_links, args.no_index)
+    def run_cells(candidate: Candidate) -> list[dict]:
+        (vset,) = resolve([base.name], [*args.overrides, candidate.pin])
+        cells = prober.probe(candidate.label, vset, [family]).cells
+        return [c for c in cells if not args.test or c["test"] == args.test or c["test"].startswith(args.test + "[")]
 
-        record = Bisection(candidates, good_is_newer, run_cells, record, output).run()
+    record = Bisection(candidates, good_is_newer, run_cells, record, output).run()
     print(summary(record))
     print(f"wrote {output}")
     return 0 if record["status"] == "answered" else 1

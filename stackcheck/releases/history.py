@@ -1,0 +1,331 @@
+"""`stackcheck history`: every release of one package in a range, the other libraries pinned to a base set,
+through every family: the compatibility map (results/history-<package>.json, with .md and .png beside it).
+
+The JSON is the probe store `bisect` reads too (stackcheck.releases.probes): a release already probed with
+the same environment, family definitions and platform is not run again, so a re-run with nothing changed
+ends in seconds, a crash loses only the releases in flight, and a new release runs alone. Environments
+build ahead of the probes on their own threads (uv shares one cache between them), and `--jobs` probes run
+side by side; every probe records how many ran beside it, since that changes its seconds.
+
+A family's state at a release is, per test, its verdict (`fixed` as `pass`, as bisect counts it), its bug,
+and its signature with numbers blanked (a measured error is not a new signature). A transition is a
+release whose state differs from the release before it: a verdict transition changes a verdict or bug
+(what bisect searches for), a signature transition only a signature.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from stackcheck import REPO_ROOT, envs, lane, results
+from stackcheck.ledger import SEVERITY, Ledger, Verdict, family_modules
+from stackcheck.releases.bisect import Candidate, observed, release_candidates, version_option
+from stackcheck.releases.probes import DEFAULT_STORE, Probe, Prober, ProbeStore
+from stackcheck.versions import PACKAGES, UsageError, VersionSet, default_set, index_versions, parse_pin, resolve
+
+VERDICT_CODES = {Verdict.NEW_FAILURE: "N", Verdict.ERROR: "E", Verdict.FIXED: "F", Verdict.KNOWN_BUG: "K",
+                 Verdict.NOT_AFFECTED: "A", Verdict.PASS: "P", Verdict.SKIPPED: "S"}
+VERDICT_TRANSITION, SIGNATURE_TRANSITION = "verdict", "signature"
+COST_PARTS = ("environment", "startup", "fixtures", "tests", "exit", "total")
+
+
+@dataclass(frozen=True)
+class Transition:
+    family: str
+    before: str  # the release before
+    after: str  # the first release with the new state
+    kind: str  # VERDICT_TRANSITION or SIGNATURE_TRANSITION
+    old: list[dict]
+    new: list[dict]
+
+
+def by_family(cells: list[dict]) -> dict[str, list[dict]]:
+    families: dict[str, list[dict]] = {}
+    for cell in cells:
+        families.setdefault(cell["family"], []).append(cell)
+    return families
+
+
+def transitions(rows: list[tuple[str, list[dict] | None]], families: list[str]) -> list[Transition]:
+    """The releases where a family's state changes, from rows of (release, cells or None when not probed),
+    oldest first. A release without cells is passed over: the next probed one is compared with the last."""
+    found = []
+    for family in families:
+        last: tuple[str, list[dict]] | None = None
+        for label, cells in rows:
+            if cells is None:
+                continue
+            mine = by_family(cells).get(family, [])
+            if last is not None:
+                old = last[1]
+                if observed(old) != observed(mine):
+                    found.append(Transition(family, last[0], label, VERDICT_TRANSITION, old, mine))
+                elif observed(old, signatures=True) != observed(mine, signatures=True):
+                    found.append(Transition(family, last[0], label, SIGNATURE_TRANSITION, old, mine))
+            last = (label, mine)
+    return found
+
+
+def cell_code(cells: list[dict]) -> str:
+    """The verdicts among a family's cells, worst first, as letters (VERDICT_CODES)."""
+    present = {c["verdict"] for c in cells}
+    return "/".join(VERDICT_CODES[Verdict(v)] for v in SEVERITY if v in present) or "–"
+
+
+def render_markdown(sweep: dict, rows: list[tuple[str, Probe | None]], families: list[str]) -> str:
+    ledger = Ledger()
+    cells_rows = [(label, probe.cells if probe else None) for label, probe in rows]
+    found = transitions(cells_rows, families)
+    marks = {(t.family, t.after): t.kind for t in found}
+    lines = [
+        f"# {sweep['package']} releases × families",
+        "",
+        f"Every {sweep['package']} release from {sweep['from']} to {sweep['to']} ({len(rows)} releases), the other libraries "
+        f"from `{sweep['base']}`{' with ' + ', '.join(sweep['overrides']) if sweep['overrides'] else ''}; "
+        f"lanes: {', '.join(sweep['lanes'])}; platform: {', '.join(f'{k} {v}' for k, v in sweep['platform'].items())}; "
+        f"family definitions {sweep['fingerprint']}.",
+        "",
+        "Each cell holds the verdicts of the family's tests, worst first: " + ", ".join(f"{code} {verdict}" for verdict, code in VERDICT_CODES.items())
+        + ". **Bold**: the verdicts or bugs differ from the release above (bisect's flip); † the signature alone differs.",
+        "",
+        "| release | " + " | ".join(families) + " |",
+        "|---" * (len(families) + 1) + "|",
+    ]
+    for label, probe in rows:
+        if probe is None:
+            lines.append(f"| {label} | " + " | ".join("not probed" for _ in families) + " |")
+            continue
+        mine = by_family(probe.cells)
+        codes = []
+        for family in families:
+            code = cell_code(mine.get(family, []))
+            kind = marks.get((family, label))
+            codes.append(f"**{code}**" if kind == VERDICT_TRANSITION else f"{code} †" if kind == SIGNATURE_TRANSITION else code)
+        lines.append(f"| {label} | " + " | ".join(codes) + " |")
+    lines += ["", "## Transitions", ""]
+    if not found:
+        lines += ["No family changes state in this range.", ""]
+    for family in families:
+        mine = [t for t in found if t.family == family]
+        if not mine:
+            continue
+        title = ledger.families[family].title if family in ledger.families else family
+        lines += [f"### {family}", "", title, ""]
+        for t in mine:
+            lines.append(f"- **{t.before} → {t.after}** ({t.kind}):")
+            lines += [f"  - {line}" for line in _cell_changes(t.old, t.new)]
+        lines.append("")
+    lines += ["## Cost per release (seconds)", "",
+              f"The sweep took {sweep['seconds']:.0f} s on {sweep['cores']} cores, up to {sweep['jobs']} probes at a time "
+              f"with {sweep['threads']} CPU thread{'s' if sweep['threads'] > 1 else ''} each.", "",
+              "Environment: built or reused (a reused probe costs nothing); start-up: interpreter, imports and collection; "
+              "fixtures: tiny checkpoints built; tests: every setup, call and teardown, less the fixtures. "
+              "`beside` is how many probes ran at once, sharing the machine's cores.", "",
+              "| release | " + " | ".join(COST_PARTS) + " | beside | from |", "|---" * (len(COST_PARTS) + 3) + "|"]
+    for label, probe in rows:
+        if probe is None:
+            continue
+        costs = [f"{probe.costs[p]:.1f}" if probe.costs.get(p) is not None else "–" for p in COST_PARTS]
+        lines.append(f"| {label} | " + " | ".join(costs) + f" | {probe.concurrent} | {'store' if probe.reused else 'this run'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell_changes(old: list[dict], new: list[dict]) -> list[str]:
+    before = {c["test"]: c for c in old}
+    after = {c["test"]: c for c in new}
+    lines = []
+    for test in sorted(before.keys() | after.keys()):
+        a, b = before.get(test), after.get(test)
+        if a and b and observed([a], signatures=True) == observed([b], signatures=True):
+            continue
+        name = test.split("::", 1)[-1]
+        lines.append(f"`{name}`: {_describe(a)} → {_describe(b)}")
+    return lines
+
+
+def _describe(cell: dict | None) -> str:
+    if cell is None:
+        return "absent"
+    text = cell["verdict"] + (f" ({cell['bug']})" if cell.get("bug") else "")
+    return text + (f" `{cell['signature'][:140]}`" if cell.get("signature") else "")
+
+
+HEAT_COLOURS = {Verdict.NEW_FAILURE: "#d62728", Verdict.ERROR: "#7f7f7f", Verdict.FIXED: "#17becf", Verdict.KNOWN_BUG: "#ff7f0e",
+                Verdict.NOT_AFFECTED: "#c7e9c0", Verdict.PASS: "#2ca02c", Verdict.SKIPPED: "#dddddd"}
+
+
+def render_heat_map(sweep: dict, rows: list[tuple[str, Probe | None]], families: list[str], path: Path) -> str | None:
+    """The map as a PNG: families down, releases across, coloured by each family's worst verdict; a black
+    frame marks a verdict transition, a dot a signature transition. Returns a note when it cannot draw."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed: wrote the map without its PNG (pip install 'stackcheck[bench]')"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch, Rectangle
+
+    found = transitions([(label, probe.cells if probe else None) for label, probe in rows], families)
+    marks = {(t.family, t.after): t.kind for t in found}
+    grid = [[(1, 1, 1)] * len(rows) for _ in families]
+    for column, (label, probe) in enumerate(rows):
+        mine = by_family(probe.cells) if probe else {}
+        for row, family in enumerate(families):
+            verdicts = [c["verdict"] for c in mine.get(family, [])]
+            if verdicts:
+                grid[row][column] = to_rgb(HEAT_COLOURS[Verdict(min(verdicts, key=SEVERITY.index))])
+    figure, axes = plt.subplots(figsize=(max(6.0, 0.42 * len(rows) + 3.5), 0.38 * len(families) + 2.2))
+    axes.imshow(grid, aspect="auto", interpolation="nearest")
+    for (family, label), kind in marks.items():
+        x, y = [r[0] for r in rows].index(label), families.index(family)
+        if kind == VERDICT_TRANSITION:
+            axes.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2))
+        else:
+            axes.plot(x, y, "o", color="black", markersize=4)
+    axes.set_xticks(range(len(rows)), [label for label, _ in rows], rotation=90, fontsize=8)
+    axes.set_yticks(range(len(families)), families, fontsize=8)
+    axes.set_title(f"{sweep['package']} {sweep['from']}…{sweep['to']}, other libraries from {sweep['base']} "
+                   f"({', '.join(sweep['lanes'])} lane{'s' if len(sweep['lanes']) > 1 else ''}): worst verdict per family", fontsize=9)
+    legend = [Patch(color=colour, label=str(verdict)) for verdict, colour in HEAT_COLOURS.items()]
+    legend += [Patch(facecolor="white", edgecolor="black", linewidth=2, label="verdict changes here"),
+               plt.Line2D([], [], marker="o", color="black", linestyle="", markersize=4, label="signature changes here")]
+    axes.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return None
+
+
+def default_jobs() -> int:
+    """Probes side by side: one per core, each on one CPU thread. Measured on 2 cores, 4 releases: one at a
+    time 23.8 s per release, two at a time with one thread each 13.1 s, two with torch's default threads
+    (oversubscribed) slower still (docs/history-transformers.md)."""
+    return os.cpu_count() or 1
+
+
+def releases_in_range(package: str, start: str, end: str, candidates: str | None = None, pre: bool = False) -> list[str]:
+    """The releases from `start` to `end`, both included, oldest first: from the package index, or from a
+    comma-separated `candidates` list."""
+    first, last = version_option(start, "--from"), version_option(end, "--to")
+    if first > last:
+        raise UsageError(f"--from {first} is newer than --to {last}")
+    listed = ([version_option(v, "--candidates") for v in candidates.split(",")] if candidates
+              else index_versions(package, pre=pre or first.is_prerelease or last.is_prerelease))
+    return [c.label for c in release_candidates(package, first, last, listed)]
+
+
+def default_output(package: str) -> Path:
+    return REPO_ROOT / "results" / f"history-{package}.json"
+
+
+def map_record(sweep: dict, rows: list[tuple[str, Probe | None]]) -> dict:
+    """The map as JSON: the sweep, each release's probe (None: not probed) and the transitions."""
+    releases = [{"release": label, "probe": asdict(probe) if probe else None} for label, probe in rows]
+    found = transitions([(label, probe.cells if probe else None) for label, probe in rows], sweep["families"])
+    return {"sweep": sweep, "releases": releases, "transitions": [asdict(t) for t in found]}
+
+
+def rows_of(record: dict) -> list[tuple[str, Probe | None]]:
+    return [(r["release"], Probe(**r["probe"]) if r["probe"] else None) for r in record["releases"]]
+
+
+def _map_problem(data) -> str | None:
+    if not isinstance(data, dict) or not {"sweep", "releases"} <= data.keys():
+        return "it has no `sweep` and `releases`"
+    return None
+
+
+def render(record: dict, output: Path) -> str | None:
+    """Write the map's JSON, Markdown and PNG; a note when the PNG could not be drawn."""
+    rows, sweep = rows_of(record), record["sweep"]
+    results.write_json(output, record)
+    output.with_suffix(".md").write_text(render_markdown(sweep, rows, sweep["families"]))
+    return render_heat_map(sweep, rows, sweep["families"], output.with_suffix(".png"))
+
+
+def run(args) -> int:
+    """The `history` command: 0 when every release in the range has a probe, 1 otherwise."""
+    package = args.package.lower()
+    output = args.output or default_output(package)
+    if args.render_only:
+        record = results.read_checked_json(output, _map_problem, "history map")
+        note = render(record, output)
+        print(f"stackcheck: {note}" if note else f"wrote {output.with_suffix('.md')} and {output.with_suffix('.png')}")
+        return 0
+    if package not in PACKAGES:
+        raise UsageError(f"unknown package '{args.package}' (known: {', '.join(PACKAGES)})")
+    if any(parse_pin(token).package == package for token in args.overrides):
+        raise UsageError(f"--with pins {package}, the package being swept")
+    families = [f for f in (args.families or "").split(",") if f] or family_modules()
+    lane.family_targets(families)  # an unknown family is a usage error
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: at least one probe must run")
+    lanes = ("gpu", "cpu") if args.gpu else ("cpu",)
+    (base,) = resolve([args.sets or default_set().name], args.overrides)
+    candidates = [Candidate(release, f"{package}=={release}") for release in releases_in_range(package, args.start, args.end, args.candidates, args.pre)]
+    lane.check_ledger()
+    jobs = args.jobs or default_jobs()
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    prober = Prober(ProbeStore(args.store or DEFAULT_STORE), args.find_links, args.no_index, lanes, threads)
+    sets = {c.label: resolve([base.name], [c.pin])[0] for c in candidates}
+    sweep = {"package": package, "from": candidates[0].label, "to": candidates[-1].label, "base": base.name, "overrides": args.overrides,
+             "families": families, "lanes": list(lanes), "platform": prober.key(sets[candidates[0].label])["platform"],
+             "fingerprint": results.fingerprint(), "jobs": jobs, "threads": threads, "cores": os.cpu_count()}
+    started = time.monotonic()
+    rows = sweep_releases(prober, sets, families, jobs)
+    sweep["seconds"] = round(time.monotonic() - started, 1)
+    note = render(map_record(sweep, rows), output)
+    missing = [label for label, probe in rows if probe is None]
+    ran = sum(1 for _label, probe in rows if probe and not probe.reused)
+    print(f"== history: {len(rows)} releases ({ran} run, {len(rows) - ran - len(missing)} from the store) in {sweep['seconds']:.0f} s")
+    print(f"wrote {output}, {output.with_suffix('.md')}" + (f"; {note}" if note else f" and {output.with_suffix('.png')}"))
+    if missing:
+        print(f"stackcheck: releases without a probe: {', '.join(missing)}", file=sys.stderr)
+    return 1 if missing else 0
+
+
+def sweep_releases(prober: Prober, sets: dict[str, VersionSet], families: list[str], jobs: int) -> list[tuple[str, Probe | None]]:
+    """Every release's probe, oldest first: from the store, or run with `jobs` at once while the next
+    environments build. On an interruption the probes in flight finish and the queued ones are dropped."""
+    found = {label: probe for label, vset in sets.items() if (probe := prober.stored(label, vset, families))}
+    todo = [label for label in sets if label not in found]
+    print(f"== history: {len(sets)} releases, {len(found)} from the store, {len(todo)} to run, "
+          f"{min(jobs, len(todo))} at a time", flush=True)
+    if not todo:
+        return [(label, found.get(label)) for label in sets]
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="build") as builders, \
+            ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="probe") as probers:
+        built = {label: builders.submit(_build_timed, prober, sets[label]) for label in todo}
+
+        def probe(label: str) -> Probe | None:
+            try:
+                environment = built[label].result()
+            except envs.EnvBuildError as exc:
+                print(f"stackcheck: {label}: environment not built: {exc}", flush=True)
+                environment = None
+            result = prober.probe(label, sets[label], families, concurrent=min(jobs, len(todo)), environment=environment)
+            print(f"== history: {label} done ({time.monotonic() - started:.0f} s into the sweep)", flush=True)
+            return result
+
+        futures = [probers.submit(probe, label) for label in todo]
+        try:
+            for label, future in zip(todo, futures):
+                found[label] = future.result()
+        except BaseException:
+            for pool in (probers, builders):
+                pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    return [(label, found.get(label)) for label in sets]
+
+
+def _build_timed(prober: Prober, vset: VersionSet) -> float:
+    started = time.monotonic()
+    prober.build(vset)
+    return time.monotonic() - started
