@@ -105,8 +105,8 @@ def _parser() -> argparse.ArgumentParser:
 
     history = commands.add_parser("history", help="every release of a package in a range through every family: the compatibility map")
     history.add_argument("package", help="the package to sweep; the others stay pinned to --set")
-    history.add_argument("--from", dest="start", required=True, metavar="VERSION", help="the oldest release swept")
-    history.add_argument("--to", dest="end", required=True, metavar="VERSION", help="the newest release swept")
+    history.add_argument("--from", dest="start", metavar="VERSION", help="the oldest release swept (required unless --render-only)")
+    history.add_argument("--to", dest="end", metavar="VERSION", help="the newest release swept (required unless --render-only)")
     add_set_options(history, many=False)
     history.add_argument("--candidates", help="comma-separated releases to sweep instead of the package index's")
     history.add_argument("--pre", action="store_true", help="include pre-releases from the package index")

@@ -260,6 +260,8 @@ def run(args) -> int:
         return 0
     if package not in PACKAGES:
         raise UsageError(f"unknown package '{args.package}' (known: {', '.join(PACKAGES)})")
+    if not (args.start and args.end):
+        raise UsageError("--from and --to name the range to sweep")
     if any(parse_pin(token).package == package for token in args.overrides):
         raise UsageError(f"--with pins {package}, the package being swept")
     families = [f for f in (args.families or "").split(",") if f] or family_modules()
