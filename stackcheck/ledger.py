@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
+import sysconfig
 import tomllib
 import traceback
 from dataclasses import dataclass, field
@@ -29,8 +30,10 @@ FAMILIES_DIR = REPO_ROOT / "tests" / "families"
 # names the enclosing function on every Python.
 COMPREHENSION_FRAMES = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
 # The platform and our own helpers: their frames sit between the failing call and the raise (torch's
-# function modes and `Tensor` wrappers, `scenario`'s assertion helpers), so they never identify a bug.
-HARNESS_FRAMES = ("torch/", "stackcheck/")
+# function modes and `Tensor` wrappers, the standard library's containers, `scenario`'s assertion
+# helpers), so they never identify a bug.
+STDLIB_PREFIX = "stdlib/"
+HARNESS_FRAMES = ("torch/", "stackcheck/", STDLIB_PREFIX)
 
 
 class Verdict(StrEnum):
@@ -161,10 +164,15 @@ class Failure:
 
 
 def _short_path(filename: str) -> str:
+    """The frame's file as every machine names it: under site-packages, the repository or the standard
+    library (`stdlib/collections/__init__.py`, wherever the interpreter lives)."""
     path = filename.replace("\\", "/")
     for marker in ("site-packages/", "dist-packages/"):
         if marker in path:
             return path.split(marker, 1)[1]
+    stdlib = sysconfig.get_paths()["stdlib"].replace("\\", "/") + "/"
+    if path.startswith(stdlib):
+        return STDLIB_PREFIX + path[len(stdlib) :]
     root = str(REPO_ROOT).replace("\\", "/") + "/"
     return path[len(root) :] if path.startswith(root) else path
 

@@ -313,8 +313,8 @@ def sweep_releases(prober: Prober, sets: dict[str, VersionSet], families: list[s
                 print(f"stackcheck: {label}: environment not built: {exc}", flush=True)
                 environment = None
             result = prober.probe(label, sets[label], families, concurrent=min(jobs, len(todo)), environment=environment)
-            print(f"== history: {label} done ({time.monotonic() - started:.0f} s into the sweep)", flush=True)
-            return result
+            print(f"== history: {label} {'done' if result.built else 'not probed'} ({time.monotonic() - started:.0f} s into the sweep)", flush=True)
+            return result if result.built else None  # a release whose wheels have not arrived is not in the map yet
 
         futures = [probers.submit(probe, label) for label in todo]
         try:

@@ -55,6 +55,7 @@ class Probe:
     costs: dict = field(default_factory=dict)
     concurrent: int = 1  # probes running at once when it ran
     versions: dict = field(default_factory=dict)  # what its environment had installed
+    built: bool = True  # False: its environment could not be built, and its cells say so
 
 
 class ProbeStore:
@@ -153,4 +154,4 @@ class Prober:
         built = installed.get("env") != "not built"
         if self.store and built:  # an environment that did not build may build next time (a network hiccup)
             self.store.add(key, label, families, cells, installed, costs, concurrent)
-        return Probe(label, cells, reused=False, costs=costs, concurrent=concurrent, versions=installed)
+        return Probe(label, cells, reused=False, costs=costs, concurrent=concurrent, versions=installed, built=built)

@@ -64,6 +64,19 @@ def test_the_frame_that_raised_decides_not_any_frame_on_the_stack(ledger, versio
     assert (judgement.verdict, judgement.bug) == (NEW_FAILURE, None)
 
 
+def test_standard_library_frames_below_the_library_call_do_not_hide_it():
+    """transformers 5.9 to 5.22 keep shared_kv_states in a collections.UserDict, whose __getitem__ raises the
+    KeyError: the raising frame is the code that looked the key up, named the same on every interpreter."""
+    from collections import UserDict
+
+    def forward(states):
+        return states["sliding_attention"]
+
+    failure = caught(forward, UserDict())
+    assert failure.frames[-1] == "stdlib/collections/__init__.py:__getitem__"
+    assert failure.raising_frame == "tests/harness/test_ledger.py:forward"
+
+
 def test_torch_frames_below_the_library_call_do_not_hide_it(versions, ledger):
     """`Tensor.item()` on meta raises inside torch; the raising frame is bitsandbytes' as_dict that called it."""
     failure = meta_quant_state_failure()
