@@ -42,7 +42,7 @@ def test_gate_fails_a_bump_that_breaks_a_family(tmp_path):
 def test_bisect_finds_the_accelerate_release_that_fixes_params4bit_kwargs(tmp_path):
     output = tmp_path / "bisect.json"
     argv = ["bisect", "accelerate", "--good", "1.15.0", "--bad", "1.13.0", "--test", ONE_TEST,
-            "--candidates", "1.13.0,1.14.0,1.15.0", "--output", str(output)]
+            "--candidates", "1.13.0,1.14.0,1.15.0", "--output", str(output), "--store", str(tmp_path / "probes.json")]
     assert cli.main(argv) == 0
     record = json.loads(output.read_text())
     assert (record["status"], record["direction"], record["answer"]["first"]) == ("answered", "first fixed in", "1.14.0")
