@@ -1,9 +1,11 @@
 """`stackcheck history`: every release of one package in a range, the other libraries pinned to a base set,
 through every family: the compatibility map (results/history-<package>.json, with .md and .png beside it).
 
-The JSON is the probe store `bisect` reads too (stackcheck.releases.probes): a release already probed with
-the same environment, family definitions and platform is not run again, so a re-run with nothing changed
-ends in seconds, a crash loses only the releases in flight, and a new release runs alone. Environments
+Probes go through the store `bisect` and `watch` read too (results/probes.json, stackcheck.releases.probes):
+a release already probed with the same environment, family definitions and platform is not run again, so
+a re-run with nothing changed ends in seconds, a crash loses only the releases in flight, and a new release
+runs alone; a release whose environment does not build (its wheels not there yet) is listed as not probed
+and tried again next time. Environments
 build ahead of the probes on their own threads (uv shares one cache between them), and `--jobs` probes run
 side by side; every probe records how many ran beside it, since that changes its seconds.
 
@@ -121,8 +123,10 @@ def render_markdown(sweep: dict, rows: list[tuple[str, Probe | None]], families:
             lines += [f"  - {line}" for line in _cell_changes(t.old, t.new)]
         lines.append("")
     lines += ["## Cost per release (seconds)", "",
-              f"The sweep took {sweep['seconds']:.0f} s on {sweep['cores']} cores, up to {sweep['jobs']} probes at a time "
-              f"with {sweep['threads']} CPU thread{'s' if sweep['threads'] > 1 else ''} each.", "",
+              f"This run probed {sum(1 for _, p in rows if p and not p.reused)} releases in {sweep['seconds']:.0f} s on "
+              f"{sweep['cores']} cores, up to {sweep['jobs']} at a time with {sweep['threads']} CPU thread"
+              f"{'s' if sweep['threads'] > 1 else ''} each, and took {sum(1 for _, p in rows if p and p.reused)} from the store "
+              "(each row gives the seconds of the run that probed it).", "",
               "Environment: built or reused (a reused probe costs nothing); start-up: interpreter, imports and collection; "
               "fixtures: tiny checkpoints built; tests: every setup, call and teardown, less the fixtures. "
               "`beside` is how many probes ran at once, sharing the machine's cores.", "",
@@ -205,7 +209,7 @@ def render_heat_map(sweep: dict, rows: list[tuple[str, Probe | None]], families:
 def default_jobs() -> int:
     """Probes side by side: one per core, each on one CPU thread. Measured on 2 cores, 4 releases: one at a
     time 23.8 s per release, two at a time with one thread each 13.1 s, two with torch's default threads
-    (oversubscribed) slower still (docs/history-transformers.md)."""
+    (oversubscribed) slower still (docs/history-runs.md)."""
     return os.cpu_count() or 1
 
 
