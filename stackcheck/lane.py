@@ -15,15 +15,22 @@ from stackcheck import REPO_ROOT, envs, results
 from stackcheck.ledger import ERROR, Ledger, family_modules
 from stackcheck.versions import UsageError, VersionSet
 
-# The CPU lane alone (GPU cells would only be skipped on a CPU host); the cache plugin would share state between runs.
-CPU_LANE = "--stackcheck-lanes=cpu"
 # When (time.time()) the runner launched a pytest process: where the start-up share of stackcheck.plugin.Timing begins.
 LAUNCHED_AT_ENV = "STACKCHECK_LAUNCHED_AT"
 
 
+def lanes_option(lanes: tuple[str, ...]) -> str:
+    return f"--stackcheck-lanes={','.join(lanes)}"
+
+
+# The CPU lane alone (GPU cells would only be skipped on a CPU host).
+CPU_LANE = lanes_option(("cpu",))
+
+
 def lane_args(lanes: tuple[str, ...]) -> list[str]:
-    """pytest options of a family run in `lanes` (("cpu",), or ("gpu", "cpu") on a GPU host)."""
-    return ["-q", "-p", "no:cacheprovider", f"--stackcheck-lanes={','.join(lanes)}"]
+    """pytest options of a family run in `lanes` (("cpu",), or ("gpu", "cpu") on a GPU host); the cache
+    plugin would share state between runs."""
+    return ["-q", "-p", "no:cacheprovider", lanes_option(lanes)]
 
 
 def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[str], results_path: Path | None,
