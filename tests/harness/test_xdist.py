@@ -17,6 +17,12 @@ import pathlib
 
 def test_report_visible_gpus(worker_id):
     pathlib.Path(os.environ["PROBE_OUT"], worker_id).write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+
+
+def test_report_cpu_threads(worker_id):
+    import torch
+
+    pathlib.Path(os.environ["PROBE_OUT"], worker_id + "-threads").write_text(str(torch.get_num_threads()))
 """
 
 
@@ -24,7 +30,7 @@ def seen_by_workers(tmp_path, cuda_visible_devices: str | None) -> dict[str, str
     (tmp_path / "test_probe.py").write_text(PROBE)
     out = tmp_path / "out"
     out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
     env.update({"PROBE_OUT": str(out)}, **({"CUDA_VISIBLE_DEVICES": cuda_visible_devices} if cuda_visible_devices is not None else {}))
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "each", "-p", "no:cacheprovider", "-c", str(REPO_ROOT / "pyproject.toml"),
@@ -34,12 +40,22 @@ def seen_by_workers(tmp_path, cuda_visible_devices: str | None) -> dict[str, str
     return {worker.name: worker.read_text() for worker in out.iterdir()}
 
 
+def gpus_seen(seen: dict[str, str]) -> dict[str, str]:
+    return {worker: value for worker, value in seen.items() if not worker.endswith("-threads")}
+
+
+def test_each_worker_keeps_to_its_share_of_the_cores(tmp_path):
+    seen = seen_by_workers(tmp_path, None)
+    share = str(max(1, (os.cpu_count() or 1) // 2))
+    assert (seen["gw0-threads"], seen["gw1-threads"]) == (share, share)
+
+
 def test_each_worker_gets_one_of_the_visible_gpus(tmp_path):
-    assert seen_by_workers(tmp_path, "3,5") == {"gw0": "3", "gw1": "5"}
+    assert gpus_seen(seen_by_workers(tmp_path, "3,5")) == {"gw0": "3", "gw1": "5"}
 
 
 def test_without_gpus_workers_are_left_alone(tmp_path, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     if visible_gpus():
         pytest.skip("this host has GPUs")
-    assert seen_by_workers(tmp_path, None) == {"gw0": "unset", "gw1": "unset"}
+    assert gpus_seen(seen_by_workers(tmp_path, None)) == {"gw0": "unset", "gw1": "unset"}
