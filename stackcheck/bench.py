@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from stackcheck import scenario, tiny
+from stackcheck import scenario
+from stackcheck.models import tiny
 from stackcheck.bench_compare import SYNTHETIC_SLOWDOWN_ENV
 from stackcheck.versions import UsageError
 

@@ -27,14 +27,15 @@ from pathlib import Path
 
 import pytest
 
-from stackcheck import exchange, hostinfo, results, scenario, tiny
+from stackcheck import exchange, hostinfo, results, scenario
+from stackcheck.models import tiny
 from stackcheck.lane import LAUNCHED_AT_ENV
 from stackcheck.ledger import (
     ERROR, FIXED, KNOWN_BUG, NOT_AFFECTED, SKIPPED, Failure, Judgement, Ledger, LedgerError, family_modules,
 )
 from stackcheck.results import family_of, lane_of
 from stackcheck.scenario import ScenarioNotReached
-from stackcheck.tiny import FixtureError
+from stackcheck.models.tiny import FixtureError
 from stackcheck.versions import installed_versions
 
 CELL_KEY = "stackcheck_cell"

@@ -50,8 +50,12 @@ class ReproUnsupported(Exception):
     """The test cannot be cut into a standalone script (a fixture the script cannot stand in for)."""
 
 
+# Where each helper module lives, by the name the families call it through.
+HELPER_PATHS = {"tiny": "stackcheck/models/tiny.py", "hostinfo": "stackcheck/hostinfo.py", "scenario": "stackcheck/scenario.py"}
+
+
 def _module_path(module: str) -> Path:
-    return REPO_ROOT / "stackcheck" / f"{module}.py"
+    return REPO_ROOT / HELPER_PATHS[module]
 
 
 class _Source:

@@ -18,7 +18,7 @@ LANES = ("gpu", "cpu")
 CELL_KEYS = ("set", "family", "test", "lane", "verdict", "signature", "bug", "note", "seconds")
 # What a verdict means besides the libraries: the ledger and the judging of a failure against it, and the
 # family tests with what they build and run.
-DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/ledger.py", "stackcheck/plugin.py", "stackcheck/scenario.py", "stackcheck/hostinfo.py", "stackcheck/tiny.py", "fixtures/*.json", "tests/families/*.py")
+DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/ledger.py", "stackcheck/plugin.py", "stackcheck/scenario.py", "stackcheck/hostinfo.py", "stackcheck/models/*.py", "fixtures/*.json", "tests/families/*.py")
 
 
 def family_of(nodeid: str) -> str | None:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from stackcheck import hostinfo, tiny
+from stackcheck import hostinfo
+from stackcheck.models import tiny
 
 # Chosen so that every greedy step of the tiny base and adapter, 4-bit and bf16, wins by at least 0.69
 # logits (11 bf16 steps at their scale): token comparisons then test the stack, not rounding on a near-tie.

@@ -35,7 +35,8 @@ import torch
 from peft import prepare_model_for_kbit_training
 from safetensors.torch import load_file
 
-from stackcheck import scenario, tiny
+from stackcheck import scenario
+from stackcheck.models import tiny
 from stackcheck.exchange import ExportMissing
 
 ROUND_TRIP_TOLERANCE = 0.01

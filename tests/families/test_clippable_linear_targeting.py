@@ -13,7 +13,8 @@ workaround, LoRA really wraps tower and language projections and changes their o
 
 import torch
 
-from stackcheck import scenario, tiny
+from stackcheck import scenario
+from stackcheck.models import tiny
 
 
 def test_broad_targets_apply_to_gemma4_towers():

@@ -32,7 +32,8 @@ import re
 import pytest
 import torch
 
-from stackcheck import scenario, tiny
+from stackcheck import scenario
+from stackcheck.models import tiny
 
 STEPS = 5
 

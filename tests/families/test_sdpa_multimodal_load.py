@@ -12,7 +12,8 @@ Precondition proven: the fixture really has an audio tower (and vision tower) wh
 requested implementation would have to cover.
 """
 
-from stackcheck import scenario, tiny
+from stackcheck import scenario
+from stackcheck.models import tiny
 
 
 def test_seed_load_kwargs_with_sdpa_load_and_generate(prompt):

@@ -20,7 +20,8 @@ import pytest
 import torch
 from transformers import Gemma4ForConditionalGeneration
 
-from stackcheck import scenario, tiny
+from stackcheck import scenario
+from stackcheck.models import tiny
 
 
 def test_seed_device_map_names_existing_modules():

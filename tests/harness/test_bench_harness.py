@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stackcheck import REPO_ROOT, bench, bench_compare, bench_report, cli, gate, scenario, tiny
+from stackcheck import REPO_ROOT, bench, bench_compare, bench_report, cli, gate, scenario
+from stackcheck.models import tiny
 from stackcheck.versions import UsageError
 
 pytest.importorskip("pytest_benchmark", reason="the bench needs the `bench` extra (`nox -s tests` installs it)")

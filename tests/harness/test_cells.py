@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-from stackcheck import REPO_ROOT, tiny
+from stackcheck import REPO_ROOT
+from stackcheck.models import tiny
 
 BROKEN_MODULE = "import transformers.no_such_module\n\ndef test_never_collected():\n    pass\n"
 CRASHING_MODULE = textwrap.dedent("""

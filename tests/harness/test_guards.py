@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from stackcheck import REPO_ROOT, plugin, scenario, tiny
+from stackcheck import REPO_ROOT, plugin, scenario
+from stackcheck.models import tiny
 from stackcheck.scenario import ScenarioNotReached
 
 

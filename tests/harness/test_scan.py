@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from stackcheck import REPO_ROOT, cli, hostinfo, scenario, tiny
+from stackcheck import REPO_ROOT, cli, hostinfo, scenario
+from stackcheck.models import tiny
 from tests.harness.test_usage_errors import one_usage_line
 
 SEED_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # seed 002
