@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,15 +27,41 @@ def absolute_path(text: str) -> Path:
 
 
 def check_file_option(option: str, path: Path) -> None:
-    """An option naming a file to write: refused up front when a folder is in the way."""
+    """An option naming a file to write: refused up front when a folder is in the way or its folder takes no file."""
     if path.is_dir():
         raise UsageError(f"{option} {path} is a folder; name the file to write")
+    check_writable(option, path.parent)
 
 
 def check_folder_option(option: str, path: Path) -> None:
-    """An option naming a folder to write into: refused up front when a file is in the way."""
+    """An option naming a folder to write into: refused up front when a file is in the way or it takes no file."""
     if path.exists() and not path.is_dir():
         raise UsageError(f"{option} {path} is a file; name a folder")
+    check_writable(option, path)
+
+
+def check_writable(option: str, folder: Path) -> None:
+    """A file can be created in `folder`, or in its nearest existing ancestor when it is still to be made: tried
+    for real, since root passes every permission check on /proc or a read-only mount (found here, not after a build)."""
+    existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
+    if not existing.is_dir():
+        raise UsageError(f"{option}: {existing} is a file, so {folder} cannot be a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot write in {existing} ({exc.strerror})") from None
+
+
+def check_common_options(args) -> None:
+    """The set and install options every command shares, before any set is resolved or built."""
+    if getattr(args, "one_set", False) and args.sets and "," in args.sets:
+        raise UsageError(f"--set takes one set name, not '{args.sets}' (the matrix takes several: --sets a,b)")
+    if getattr(args, "no_index", False) and not args.find_links:
+        raise UsageError("--no-index installs only from --find-links folders: name one with --find-links DIR")
+    for folder in getattr(args, "find_links", []):
+        if "://" not in folder and not Path(folder).expanduser().is_dir():
+            raise UsageError(f"--find-links {folder}: no such folder")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
             cmd.add_argument("--sets", help="comma-separated set names (default: every set in sets.toml)")
         else:
             cmd.add_argument("--set", dest="sets", help="set name (default: the default set)")
+            cmd.set_defaults(one_set=True)
         cmd.add_argument("--with", dest="overrides", action="append", default=[], metavar="PIN", help=PIN_HELP)
         cmd.add_argument("--find-links", action="append", default=[], metavar="DIR", help="extra wheel folder")
         cmd.add_argument("--no-index", action="store_true", help="install only from --find-links folders")
@@ -119,6 +147,7 @@ def _parser() -> argparse.ArgumentParser:
 
     watch = commands.add_parser("watch", help="gate the newest releases against `latest`; bisect each family that flips")
     watch.add_argument("--set", dest="sets", help="the recorded set to compare with (default: latest)")
+    watch.set_defaults(one_set=True)
     watch.add_argument("--releases", type=absolute_path, metavar="JSON",
                        help="{package: [releases]} to use instead of the package index (an offline or test index)")
     watch.add_argument("--find-links", action="append", default=[], metavar="DIR", help="extra wheel folder")
@@ -150,6 +179,7 @@ def _parser() -> argparse.ArgumentParser:
     scan.add_argument("--device-map", help="the device_map, as JSON or a .json file")
     scan.add_argument("--max-memory", help="max_memory, as JSON or a .json file (without --device-map: accelerate's 'auto' map)")
     scan.add_argument("--quantization", help="BitsAndBytesConfig arguments, as JSON or a .json file")
+    scan.add_argument("--python", help="the interpreter whose libraries build the model (default: this one)")
     scan.add_argument("--json", action="store_true", help="print the report as JSON")
 
     merge = commands.add_parser("merge", help="merge per-job matrix.json files into one matrix.json and matrix.md")
@@ -245,6 +275,7 @@ def run_bench(args) -> int:
 
 
 def run_wheelhouse(args) -> int:
+    wheelhouse.require_uv()
     check_folder_option("--dest", args.dest)
     platforms = args.platforms or wheelhouse.MANYLINUX_X86_64
     sets = _selected(args)
@@ -265,8 +296,10 @@ def run_wheelhouse(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     try:
+        check_common_options(args)
         if args.command in ("matrix", "gpu-matrix"):
             return run_matrix(args)
         if args.command == "wheelhouse":
@@ -304,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             check_folder_option("--output", args.output)
             return repro.run(args)
         if args.command == "scan":
-            return scan.run(args)
+            return scan.run(args, argv)
         if args.command == "merge":
             check_file_option("--output", args.output)
             merged = results.merge_files(args.inputs, args.output)

@@ -102,7 +102,10 @@ def versions_of(python: str | None) -> dict[str, str]:
         raise UsageError(f"--python {python}: cannot run it ({exc.strerror})") from None
     if completed.returncode != 0:
         raise UsageError(f"--python {python}: it cannot report its packages ({(completed.stderr.strip().splitlines() or ['?'])[-1]})")
-    return json.loads(completed.stdout)
+    try:
+        return json.loads(completed.stdout)
+    except json.JSONDecodeError:
+        raise UsageError(f"--python {python}: it printed no package report; name a Python interpreter") from None
 
 
 def require_stack(versions: dict[str, str], python: str | None, remedy: str) -> None:
@@ -130,13 +133,16 @@ def render(versions: dict[str, str], facts: dict[str, str], diagnoses: list[Diag
              "platform: " + ", ".join(f"{k} {v}" for k, v in facts.items()), ""]
     if not diagnoses:
         lines.append("No known bug of the ledger affects this install.")
-    fixed = [d for d in diagnoses if d.fixed_in_a_release]
-    unfixed = [d for d in diagnoses if not d.fixed_in_a_release]
-    for title, group in ((f"{len(fixed)} known bugs affect this install, and a release leaves them:", fixed),
-                         (f"{len(unfixed)} known bugs affect this install, and no release fixes them yet:", unfixed)):
+    else:
+        lines += ["Each bug: its id [the families whose tests show it]: the versions it affects; then the changes of one",
+                  "package that leave it, and the upstream report.", ""]
+    groups = {"and an upgrade leaves them": [d for d in diagnoses if d.fixed_in_a_release],
+              "and no release fixes them yet; a downgrade leaves them": [d for d in diagnoses if not d.fixed_in_a_release and d.remedies],
+              "and no release leaves them": [d for d in diagnoses if not d.remedies]}
+    for leaving, group in groups.items():
         if not group:
             continue
-        lines.append(title)
+        lines.append(f"{len(group)} known bugs affect this install, {leaving}:")
         for d in group:
             lines.append(f"- {d.bug} [{', '.join(d.families)}]: affects {d.affected}{d.on_this_cpu}")
             lines += [f"    {remedy}" for remedy in d.remedies]

@@ -11,13 +11,18 @@ map's devices, and the ledger's known bugs for the installed versions (`doctor`)
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from stackcheck import doctor, hostinfo
+from stackcheck import REPO_ROOT, doctor, hostinfo
 from stackcheck.ledger import Ledger
 from stackcheck.versions import UsageError, installed_versions
+
+# Set in the scan that `--python` starts in the other interpreter: that one scans in-process.
+IN_PYTHON_ENV = "STACKCHECK_SCAN_IN"
 
 # bitsandbytes' packed AVX512-BF16 CPU path (the bnb_cpu_packed_width family) packs the output rows in
 # blocks of 32 and reshapes the absmax per 64-wide input block.
@@ -44,6 +49,8 @@ def read_json_option(option: str, text: str | None):
     if text is None:
         return None
     source = Path(text).expanduser()
+    if source.suffix == ".json" and not source.is_file():
+        raise UsageError(f"{option} {text}: no such file")
     try:
         return json.loads(source.read_text() if source.suffix == ".json" and source.is_file() else text)
     except (json.JSONDecodeError, OSError) as exc:
@@ -80,9 +87,16 @@ def build_on_meta(model_dir: Path, config_data: dict):
 
 def quantize_on_meta(model, quantization: dict, device_map: dict | None):
     """transformers' bitsandbytes quantizer prepares the meta model as `from_pretrained` would."""
+    import inspect
+
     from transformers import BitsAndBytesConfig
     from transformers.quantizers import AutoHfQuantizer
 
+    # BitsAndBytesConfig takes **kwargs and keeps what it does not know: a misspelt key would quantize nothing.
+    known = [name for name, p in inspect.signature(BitsAndBytesConfig).parameters.items() if p.kind is not p.VAR_KEYWORD]
+    unknown = [key for key in quantization if key not in known]
+    if unknown:
+        raise UsageError(f"--quantization: BitsAndBytesConfig has no {', '.join(map(repr, unknown))} (it takes {', '.join(known)})")
     try:
         config = BitsAndBytesConfig(**quantization)
     except (TypeError, ValueError) as exc:
@@ -181,8 +195,19 @@ def check_kv_sharing(scan: Scan, model, device_map: dict | None) -> None:
                      f"{shared[0]}-{shared[-1]} on {', '.join(sorted(devices))}: the shared_kv_redispatch family's scenario")
 
 
-def run(args) -> int:
+def run_in(python: str, argv: list[str]) -> int:
+    """The same scan in the interpreter at `python` (an environment's, as `doctor --python`), which has the libraries."""
+    try:
+        return subprocess.run([python, "-m", "stackcheck", *argv],
+                              env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), **{IN_PYTHON_ENV: python})).returncode
+    except OSError as exc:
+        raise UsageError(f"--python {python}: cannot run it ({exc.strerror})") from None
+
+
+def run(args, argv: list[str]) -> int:
     """The `scan` command: 1 when it finds a problem or a known bug affects the install, 0 otherwise."""
+    if args.python and os.environ.get(IN_PYTHON_ENV) != args.python:
+        return run_in(args.python, argv)
     config_data = read_folder("MODEL", args.model, "config.json")
     adapter_config = read_folder("ADAPTER", args.adapter, "adapter_config.json") if args.adapter else None
     device_map = read_json_option("--device-map", args.device_map)
@@ -192,13 +217,16 @@ def run(args) -> int:
         if value is not None and not isinstance(value, dict):
             raise UsageError(f"{option}: expected a JSON object, got {type(value).__name__}")
     versions, cpu_flags = installed_versions(), hostinfo.cpu_facts()["cpu_flags"]
-    doctor.require_stack(versions, None, "run the scan with the Python of the environment that loads the model")
+    doctor.require_stack(versions, args.python, "name the Python of the environment that loads the model with --python")
     model, architecture = build_on_meta(args.model, config_data)
     scan = Scan(str(args.model), architecture, known_bugs=[d.bug for d in doctor.diagnose(Ledger(), versions, cpu_flags)])
     if device_map is None and max_memory is not None:
         from accelerate import infer_auto_device_map
 
-        device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=model._no_split_modules)
+        try:
+            device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=model._no_split_modules)
+        except ValueError as exc:  # accelerate's own check of the devices and sizes
+            raise UsageError(f"--max-memory: accelerate refuses it ({' '.join(str(exc).split())})") from None
     if device_map:
         check_device_map(scan, model, device_map)
     if quantization is not None:
@@ -206,11 +234,13 @@ def run(args) -> int:
     if adapter_config is not None:
         check_lora_targets(scan, model, adapter_config)
     check_kv_sharing(scan, model, device_map)
-    print(json.dumps(asdict(scan), indent=2) if args.json else render(scan, versions))
+    checked = ["the model", *(["adapter"] if args.adapter else []), *(["options"] if device_map or quantization is not None else [])]
+    print(json.dumps(asdict(scan), indent=2) if args.json else render(scan, versions, checked))
     return 1 if scan.findings or scan.known_bugs else 0
 
 
-def render(scan: Scan, versions: dict[str, str]) -> str:
+def render(scan: Scan, versions: dict[str, str], checked: list[str]) -> str:
+    """`checked`: what was given to scan (the model, adapter, options), named in the all-clear."""
     lines = [f"stackcheck scan {scan.model}: {scan.architecture}, built on meta with "
              + ", ".join(f"{k} {v}" for k, v in versions.items()), ""]
     if scan.quantization:
@@ -225,7 +255,7 @@ def render(scan: Scan, versions: dict[str, str]) -> str:
         lines.append(f"{kind}:")
         lines += [f"  - {problem}" for problem in problems]
     if not scan.findings:
-        lines.append("no problems found in the model, adapter and options")
+        lines.append(f"no problems found in {', '.join(checked[:-1])}{' and ' if len(checked) > 1 else ''}{checked[-1]}")
     if scan.known_bugs:
         lines.append(f"{len(scan.known_bugs)} known bugs affect the installed versions (`stackcheck doctor` for the changes "
                      f"that leave them): {', '.join(scan.known_bugs)}")

@@ -98,9 +98,19 @@ def parse_pin(token: str) -> Pin:
         package, path = token.split("=", 1)
         location = Path(path).expanduser().resolve()
         if not location.exists():
-            raise UsageError(f"bad pin '{token}': no such file or directory {location}")
+            meant = f" (a release is {package}=={path})" if _is_version(path) else ""
+            raise UsageError(f"bad pin '{token}': NAME=PATH names a file or folder, and {location} does not exist{meant}; "
+                             f"a pin is {PIN_HELP}")
         return Pin(_check_package(package, token), url=location.as_uri())
     raise UsageError(f"bad pin '{token}': expected {PIN_HELP}")
+
+
+def _is_version(text: str) -> bool:
+    try:
+        Version(text)
+    except InvalidVersion:
+        return False
+    return True
 
 
 def load_sets(path: Path = SETS_FILE) -> tuple[dict[str, VersionSet], str]:
@@ -127,6 +137,10 @@ def resolve(names: list[str] | None = None, overrides: list[str] | None = None) 
         else:
             chosen.append(known[name])
     pins = [parse_pin(token) for token in overrides or []]
+    for package in {pin.package for pin in pins}:
+        given = [token for token, pin in zip(overrides, pins) if pin.package == package]
+        if len(given) > 1:
+            raise UsageError(f"--with pins {package} {len(given)} times ({', '.join(given)}): keep one")
     if not pins:
         return chosen
     return [

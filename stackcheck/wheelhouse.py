@@ -46,8 +46,12 @@ PROVIDED_BY_TARGET = {"torch"}  # the platform: the target's own (CUDA) build, n
 
 
 def read_freeze(path: Path) -> dict[str, Version]:
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not text: expected the target's `pip list --format=freeze`") from None
     versions = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         match = re.match(r"^([A-Za-z0-9_.-]+)==([^\s;#]+)", line.strip())
         if match:
             try:
@@ -55,6 +59,11 @@ def read_freeze(path: Path) -> dict[str, Version]:
             except InvalidVersion:
                 raise UsageError(f"{path}, line {number}: '{line.strip()}': '{match.group(2)}' is not a valid version") from None
     return versions
+
+
+def require_uv() -> None:
+    if not shutil.which("uv"):
+        raise UsageError("the wheelhouse needs uv on PATH (its resolver picks the target's versions): pip install uv")
 
 
 def keep_one_cuda_binary(wheel: Path, cuda: str) -> list[str]:

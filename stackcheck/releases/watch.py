@@ -47,8 +47,8 @@ def releases_from(path: Path | None):
 
 
 def _releases_problem(data) -> str | None:
-    if not isinstance(data, dict) or not all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in data.values()):
-        return "it is not an object of package: [release, ...]"
+    if not isinstance(data, dict) or not all(isinstance(v, list) and v and all(isinstance(x, str) for x in v) for v in data.values()):
+        return "it is not an object of package: [release, ...], each list naming at least one release"
     return None
 
 

@@ -33,7 +33,7 @@ def test_ad_hoc_set_is_a_base_set_plus_overrides(tmp_path):
         ("peft", "bad pin 'peft'"),
         ("peft==not.a.version!", "is not a valid version"),
         ("numpy==2.0", "unknown package 'numpy'"),
-        ("peft=/no/such/path", "no such file or directory"),
+        ("peft=/no/such/path", "NAME=PATH names a file or folder, and /no/such/path does not exist"),
         ("peft@ftp:/x", "expected a URL"),
     ],
 )
