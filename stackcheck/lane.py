@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from stackcheck import REPO_ROOT, envs, results
@@ -93,14 +96,35 @@ def family_targets(families: list[str] | None) -> list[str]:
     return [f"tests/families/test_{f}.py" for f in families or known]
 
 
-def one_test(node_id: str) -> tuple[str, str]:
-    """(family, node id) of one family test given as `tests/families/test_<family>.py::<test>`."""
-    module, _, name = node_id.partition("::")
-    if not name or Path(module).parent != Path("tests/families") or not Path(module).name.startswith("test_"):
-        raise UsageError(f"'{node_id}' is not a family test id such as tests/families/test_<family>.py::<test>")
-    family = Path(module).stem.removeprefix("test_")
-    family_targets([family])  # an unknown family is a usage error
-    return family, node_id
+TEST_ID = re.compile(r"tests/families/test_(?P<family>\w+)\.py::(?P<function>\w+)(?P<params>\[.+\])?")
+TEST_ID_FORM = "tests/families/test_<family>.py::<test>, optionally with its [parameters] as pytest prints them"
+
+
+@dataclass(frozen=True)
+class TestId:
+    """A family test as pytest names it. Without parameters it names every cell of the test (each lane and
+    parametrization); with them, the one cell. The parameters are pytest's, not read here."""
+
+    __test__ = False  # not a pytest test class
+    family: str
+    text: str
+
+    def names(self, cell_test: str) -> bool:
+        return cell_test == self.text or ("[" not in self.text and cell_test.startswith(self.text + "["))
+
+
+def family_test(text: str) -> TestId:
+    """The one grammar of `--test` in every command, checked before anything is built: the form, the family,
+    and a test function of that name in the family's module."""
+    match = TEST_ID.fullmatch(text)
+    if not match:
+        raise UsageError(f"'{text}' is not a family test id: {TEST_ID_FORM}")
+    (module,) = family_targets([match["family"]])  # an unknown family is a usage error
+    tree = ast.parse((REPO_ROOT / module).read_text())
+    functions = [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+    if match["function"] not in functions:
+        raise UsageError(f"{module} has no test {match['function']} (its tests: {', '.join(functions)})")
+    return TestId(match["family"], text)
 
 
 def run(vset: VersionSet, targets: list[str], results_path: Path, find_links=(), no_index: bool = False,

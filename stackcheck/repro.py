@@ -99,17 +99,16 @@ def version_set(name: str) -> VersionSet:
     return resolve([base], pins)[0]
 
 
-def run_cell(python: Path, cell_set: VersionSet, test: str, scratch: Path) -> Cell:
-    """Run one family test in its set's environment and read back its cell."""
+def run_cells(python: Path, cell_set: VersionSet, test: lane.TestId, scratch: Path) -> list[Cell]:
+    """Run a family test (each of its cells, or the one its parameters name) in its set's environment and read back its cells."""
     matrix = scratch / "matrix.json"
     matrix.unlink(missing_ok=True)
-    subprocess.run([str(python), "-m", "pytest", test, "-q", "-p", "no:cacheprovider", f"--stackcheck-set={cell_set.name}",
+    subprocess.run([str(python), "-m", "pytest", test.text, "-q", "-p", "no:cacheprovider", f"--stackcheck-set={cell_set.name}",
                     f"--stackcheck-results={matrix}"], cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True)
-    cells = [c for c in results.load(matrix)["cells"] if c["test"] == test]
+    cells = [c for c in results.load(matrix)["cells"] if test.names(c["test"])]
     if not cells:
-        raise UsageError(f"no cell {test} in set {cell_set.name}: check the test id (tests/families/test_<family>.py::<test>[<lane>-...])")
-    c = cells[0]
-    return Cell(c["set"], c["test"], c["verdict"], c.get("signature"), c.get("bug"))
+        raise UsageError(f"no cell {test.text} in set {cell_set.name}: check its parameters ({lane.TEST_ID_FORM})")
+    return [Cell(c["set"], c["test"], c["verdict"], c.get("signature"), c.get("bug")) for c in cells]
 
 
 def collected(python: Path, test: str, scratch: Path) -> dict:
@@ -205,11 +204,10 @@ def export(cell: Cell, cell_set: VersionSet, python: Path, output: Path, recorde
 def run(args) -> int:
     """The `repro` command: 0 when every export reproduces its cell, 1 otherwise (2 on a usage error)."""
     if bool(args.test) == bool(args.source):
-        raise UsageError("name one cell (--set SET --test ID) or a results file (--from matrix.json [--sets A,B])")
+        raise UsageError("name a test (--sets SET --test ID) or a results file (--from matrix.json [--sets A,B])")
     if args.source and not args.source.is_file():
         raise UsageError(f"--from {args.source}: no such file")
-    if args.test:
-        lane.one_test(args.test)  # a malformed id or an unknown family, before any environment is built
+    test = lane.family_test(args.test) if args.test else None  # before any environment is built
     ledger = Ledger()
     cells = cells_from(args.source, args.sets.split(",") if args.sets else None) if args.source else None
     recorded_sets = results.load_checked(args.source)["sets"] if args.source else {}
@@ -222,7 +220,7 @@ def run(args) -> int:
         python = envs.build(cell_set, args.find_links, args.no_index)
         if cells is None:
             args.output.mkdir(parents=True, exist_ok=True)
-            chosen = [run_cell(python, cell_set, args.test, args.output)]
+            chosen = run_cells(python, cell_set, test, args.output)
             recorded = json.loads(subprocess.run([str(python), "-c", FACTS_CODE], cwd=REPO_ROOT, capture_output=True, text=True).stdout)
         else:
             chosen = [c for c in cells if c.set_name == name]

@@ -263,7 +263,8 @@ def run(args) -> int:
         raise UsageError(f"unknown package '{args.package}' (known: {', '.join(PACKAGES)})")
     if any(parse_pin(token).package == package for token in args.overrides):
         raise UsageError(f"--with pins {package}, the package being bisected")
-    family = lane.one_test(args.test)[0] if args.test else args.family
+    test = lane.family_test(args.test) if args.test else None
+    family = test.family if test else args.family
     lane.family_targets([family])  # an unknown family is a usage error
     (base,) = resolve([args.sets or default_set().name])
     if args.git:
@@ -290,7 +291,7 @@ def run(args) -> int:
     def run_cells(candidate: Candidate) -> list[dict]:
         (vset,) = resolve([base.name], [*args.overrides, candidate.pin])
         cells = prober.probe(candidate.label, vset, [family]).cells
-        return [c for c in cells if not args.test or c["test"] == args.test or c["test"].startswith(args.test + "[")]
+        return [c for c in cells if not test or test.names(c["test"])]
 
     record = Bisection(candidates, good_is_newer, run_cells, record, output).run()
     print(summary(record))

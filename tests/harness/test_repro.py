@@ -50,7 +50,7 @@ def test_the_export_fails_with_the_cells_signature_only_where_the_bug_is(tmp_pat
     (["--test", "tests/families/test_nope.py::test_x[cpu]"], "unknown family 'nope'"),
     (["--test", "test_x"], "is not a family test id"),
     (["--from", "/no/such/matrix.json"], "--from /no/such/matrix.json: no such file"),
-    ([], "name one cell"),
+    ([], "name a test (--sets SET --test ID)"),
 ])
 def test_wrong_inputs_are_one_line(argv, message, capsys):
     assert message in one_usage_line(cli.main(["repro", *argv]), capsys)

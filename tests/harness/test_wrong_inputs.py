@@ -1,0 +1,143 @@
+"""Issue 24's wrong inputs, each through the real command (`python -m stackcheck ...` in a subprocess): one line
+on stderr, exit code 2, no traceback, and nothing built first (no `+ command` line of an environment build)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stackcheck import REPO_ROOT
+
+FAMILY_TEST = "tests/families/test_params4bit_kwargs.py::test_offload_hook_moves_loaded_param_to_meta"
+
+
+def stackcheck(*argv: str, env: dict | None = None, cwd: Path = REPO_ROOT, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`env`: variables changed; stackcheck from this checkout wherever `cwd` is."""
+    return subprocess.run([sys.executable, "-m", "stackcheck", *argv], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}, timeout=timeout)
+
+
+def refused(*argv: str, **kwargs) -> str:
+    """The one stderr line of a usage error, checked: exit 2, no traceback, nothing built or run before it."""
+    run = stackcheck(*argv, **kwargs)
+    assert run.returncode == 2, run
+    assert run.stderr.startswith("stackcheck: ") and run.stderr.count("\n") == 1, run.stderr
+    assert not [line for line in run.stdout.splitlines() if line.startswith("+ ")], run.stdout
+    return run.stderr.strip()
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["matrix", "--sets", "seed", "--results", "/proc/x.json"], "--results"),
+    (["gate", "--with", "accelerate==1.14.0", "--output", "/proc/x"], "--output"),
+    (["merge", "a.json", "--output", "/proc/x.json"], "--output"),
+], ids=["matrix", "gate", "merge"])
+def test_an_output_where_no_file_can_be_written(argv, option):
+    # /proc takes no new file, even for root, whom every permission check lets through.
+    assert refused(*argv) == f"stackcheck: {option}: cannot write in /proc (No such file or directory)"
+
+
+def test_tests_with_two_sets():
+    assert refused("tests", "--set", "seed,latest") == (
+        "stackcheck: --set takes one set name, not 'seed,latest' (the matrix takes several: --sets a,b)")
+
+
+def test_wheelhouse_without_uv(tmp_path):
+    line = refused("wheelhouse", "--sets", "seed", "--dest", str(tmp_path / "house"), env={"PATH": str(tmp_path)})
+    assert line == "stackcheck: the wheelhouse needs uv on PATH (its resolver picks the target's versions): pip install uv"
+
+
+def test_wheelhouse_with_a_binary_host_freeze(tmp_path):
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_bytes(Path(sys.executable).resolve().read_bytes()[:4096])
+    line = refused("wheelhouse", "--sets", "seed", "--dest", str(tmp_path / "house"), "--host-freeze", str(freeze))
+    assert line == f"stackcheck: {freeze} is not text: expected the target's `pip list --format=freeze`"
+
+
+def test_watch_with_an_empty_release_list(tmp_path):
+    releases = tmp_path / "releases.json"
+    releases.write_text(json.dumps({"transformers": []}))
+    line = refused("watch", "--releases", str(releases), "--output", str(tmp_path / "watch"))
+    assert line == (f"stackcheck: {releases} is not a stackcheck release list: "
+                    "it is not an object of package: [release, ...], each list naming at least one release")
+
+
+def test_doctor_with_a_program_that_prints_garbage(tmp_path):
+    program = tmp_path / "python"
+    program.write_text("#!/bin/sh\necho 'hello, world'\n")
+    program.chmod(0o755)
+    assert refused("doctor", "--python", str(program)) == (
+        f"stackcheck: --python {program}: it printed no package report; name a Python interpreter")
+
+
+def test_bisect_with_a_test_that_does_not_exist():
+    line = refused("bisect", "accelerate", "--good", "1.15.0", "--bad", "1.13.0", "--test", FAMILY_TEST.replace("moves", "carries"))
+    assert line == ("stackcheck: tests/families/test_params4bit_kwargs.py has no test test_offload_hook_carries_loaded_param_to_meta "
+                    "(its tests: test_offload_hook_moves_loaded_param_to_meta, test_offload_hook_restores_weight_from_weights_map)")
+
+
+@pytest.mark.parametrize("test_id", [FAMILY_TEST, FAMILY_TEST + "[cpu]", FAMILY_TEST + "[cpu-llama3]"], ids=["bare", "lane", "lane-arch"])
+def test_bisect_and_repro_read_test_ids_alike(test_id, tmp_path):
+    """One grammar: with or without the bracketed parameters (opaque), checked before anything is built. The
+    run stops at the next usage error, which comes after the id's check: so the id passed it."""
+    assert refused("bisect", "accelerate", "--good", "1.15.0", "--bad", "1.15.0", "--candidates", "1.15.0",
+                   "--test", test_id) == "stackcheck: --good and --bad name the same candidate"
+    assert refused("repro", "--sets", "seed,latest", "--test", test_id) == "stackcheck: --test runs on one set: name it with --sets SET"
+
+
+@pytest.mark.parametrize("test_id", ["tests/families/test_params4bit_kwargs.py", "test_offload_hook_moves_loaded_param_to_meta[cpu]",
+                                     FAMILY_TEST + "[]"])
+def test_a_malformed_test_id_is_refused_by_both(test_id):
+    form = "tests/families/test_<family>.py::<test>, optionally with its [parameters] as pytest prints them"
+    for argv in (["bisect", "accelerate", "--good", "1.15.0", "--bad", "1.13.0"], ["repro", "--sets", "seed"]):
+        assert refused(*argv, "--test", test_id) == f"stackcheck: '{test_id}' is not a family test id: {form}"
+
+
+def test_repro_names_its_own_set_option():
+    assert refused("repro") == "stackcheck: name a test (--sets SET --test ID) or a results file (--from matrix.json [--sets A,B])"
+
+
+def test_the_same_package_pinned_twice():
+    assert refused("matrix", "--sets", "seed", "--with", "peft==0.19.1", "--with", "peft==0.20.0") == (
+        "stackcheck: --with pins peft 2 times (peft==0.19.1, peft==0.20.0): keep one")
+
+
+def test_a_pin_with_one_equals_sign_says_which_syntaxes_exist():
+    assert refused("matrix", "--sets", "seed", "--with", "transformers=5") == (
+        f"stackcheck: bad pin 'transformers=5': NAME=PATH names a file or folder, and {REPO_ROOT / '5'} does not exist "
+        "(a release is transformers==5); a pin is NAME==VERSION, NAME@git+URL[@REF] or NAME=PATH (a wheel, sdist or source tree)")
+
+
+@pytest.mark.parametrize("command", [["matrix", "--sets", "seed"], ["gate"], ["bisect", "peft", "--good", "1", "--bad", "2", "--family", "merge_parity"]])
+def test_no_index_without_find_links(command):
+    assert refused(*command, "--no-index") == "stackcheck: --no-index installs only from --find-links folders: name one with --find-links DIR"
+
+
+def test_find_links_that_is_no_folder(tmp_path):
+    assert refused("matrix", "--sets", "seed", "--find-links", str(tmp_path / "wheels")) == f"stackcheck: --find-links {tmp_path / 'wheels'}: no such folder"
+
+
+# scan builds the model with the libraries of the interpreter that runs it: the harness's set environment.
+E2B = str(REPO_ROOT / "fixtures" / "gemma4-e2b")
+
+
+def test_scan_with_a_max_memory_accelerate_cannot_read():
+    assert refused("scan", E2B, "--max-memory", '{"0": "lots"}') == (
+        "stackcheck: --max-memory: accelerate refuses it (`size` lots is not in a valid format. "
+        "Use an integer for bytes, or a string with an unit (like '5.0GB').)")
+
+
+def test_scan_with_an_unknown_quantization_key():
+    line = refused("scan", E2B, "--quantization", '{"load_in_4bit": true, "bnb_4bit_quant_typ": "nf4"}')
+    assert line.startswith("stackcheck: --quantization: BitsAndBytesConfig has no 'bnb_4bit_quant_typ' (it takes load_in_8bit, ")
+
+
+def test_scan_with_a_quantization_file_that_is_missing(tmp_path):
+    assert refused("scan", E2B, "--quantization", "seed_bnb.json", cwd=tmp_path) == "stackcheck: --quantization seed_bnb.json: no such file"
+
+
+def test_scan_without_an_adapter_claims_nothing_about_one():
+    run = stackcheck("scan", E2B)
+    assert run.returncode == 1 and "\nno problems found in the model\n" in run.stdout, run  # 1: the installed versions' known bugs
