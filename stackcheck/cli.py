@@ -53,6 +53,17 @@ def check_writable(option: str, folder: Path) -> None:
         raise UsageError(f"{option}: cannot write in {existing} ({exc.strerror})") from None
 
 
+# The commands an installed copy (`pip install .`, which has no tests/) can run: they read only the package.
+RUN_ANYWHERE = ("doctor", "scan", "versions")
+
+
+def check_checkout(command: str) -> None:
+    """The other commands run the family tests of a stackcheck clone (REPO_ROOT)."""
+    if command not in RUN_ANYWHERE and not (REPO_ROOT / "tests" / "families").is_dir():
+        raise UsageError(f"{command} runs the family tests of a stackcheck clone, and {REPO_ROOT} is none: run "
+                         "`python -m stackcheck` in the clone's root, or install the clone editable (pip install -e CLONE)")
+
+
 def check_common_options(args) -> None:
     """The set and install options every command shares, before any set is resolved or built."""
     if getattr(args, "one_set", False) and args.sets and "," in args.sets:
@@ -299,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     try:
+        check_checkout(args.command)
         check_common_options(args)
         if args.command in ("matrix", "gpu-matrix"):
             return run_matrix(args)
