@@ -44,11 +44,15 @@ def test_requirements(groups: tuple[str, ...] = ()) -> list[str]:
     return [requirement for group in ("test", *groups) for requirement in extras[group]]
 
 
+# No torch here and no local wheel: the package index's, as pip would choose it.
+INDEX_TORCH = "torch"
+
+
 def torch_source(vset: VersionSet) -> tuple[list[str], bool]:
     """(requirements, inherit host site-packages). A set's own torch pin wins; otherwise the torch
-    already present is used: the host's (a GPU machine's CUDA build), else a local wheel. Inheriting needs
-    the host's pip too, which installs the pins over it; a uv-built environment (a set's own, running the
-    harness tests) has none, and uv would not see the inherited torch and fetch another."""
+    already present is used: the host's (a GPU machine's CUDA build), else a local wheel, else the package
+    index's. Inheriting needs the host's pip too, which installs the pins over it; a uv-built environment (a
+    set's own, running the harness tests) has none, and uv would not see the inherited torch and fetch another."""
     if "torch" in vset.pins:
         return [vset.pins["torch"].requirement()], False
     if all(importlib.util.find_spec(name) is not None for name in ("torch", "pip")):
@@ -56,11 +60,18 @@ def torch_source(vset: VersionSet) -> tuple[list[str], bool]:
     wheels = sorted(w for d in LOCAL_WHEEL_DIRS for w in glob.glob(os.path.join(d, "torch-*.whl")))
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
     wheels = [w for w in wheels if f"-{tag}-" in w]
-    if not wheels:
-        raise UsageError(
-            "no torch present: pin one with --with torch==VERSION, or point STACKCHECK_WHEEL_DIRS at a local torch wheel"
-        )
-    return [f"torch @ {Path(wheels[-1]).as_uri()}"], False
+    return ([f"torch @ {Path(wheels[-1]).as_uri()}"] if wheels else [INDEX_TORCH]), False
+
+
+def torch_note(vset: VersionSet) -> str:
+    """The one line that says where the set's environment takes torch from."""
+    torch_requirements, inherit = torch_source(vset)
+    if inherit:
+        return f"torch for set {vset.name}: the host's ({sys.executable})"
+    if torch_requirements != [INDEX_TORCH]:
+        return f"torch for set {vset.name}: {torch_requirements[0]}"
+    return (f"torch for set {vset.name}: the package index's newest (no torch here, no wheel in STACKCHECK_WHEEL_DIRS); "
+            "from PyPI that is a CUDA build of several GB: UV_TORCH_BACKEND=cpu takes the CPU build (README, Run it)")
 
 
 def _run(command: list[str]) -> None:
@@ -81,6 +92,7 @@ def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False, 
     `groups` are optional-dependency groups added to the test requirements (BENCH_GROUPS); each
     combination gets its own environment, so commands that need different groups never rebuild each other's."""
     requirements, inherit = environment_requirements(vset, groups)
+    print(f"== {torch_note(vset)}", flush=True)
     env = ENVS_DIR / "+".join([vset.slug, *groups])
     python = env / "bin" / "python"
     stamp = env / "stackcheck-requirements.txt"

@@ -3,6 +3,7 @@
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ HAS_PIP = importlib.util.find_spec("pip") is not None
 
 @pytest.mark.skipif(HAS_PIP, reason="the running interpreter has pip, so its torch is inherited")
 def test_without_pip_the_local_torch_wheel_is_used():
+    if not [wheel for folder in envs.LOCAL_WHEEL_DIRS for wheel in Path(folder).glob("torch-*.whl")]:
+        pytest.skip("no local torch wheel here (STACKCHECK_WHEEL_DIRS)")
     requirements, inherit = envs.torch_source(default_set())
     assert not inherit
     assert requirements and requirements[0].startswith("torch @ file:")
@@ -55,3 +58,12 @@ def test_a_wheelhouse_manifest_gives_the_exact_wheels_of_a_set_it_holds_whole(tm
     (tmp_path / "b.whl").write_bytes(b"")
     assert envs.resolved_wheels(vset, [str(tmp_path)]) == [tmp_path / "a.whl", tmp_path / "b.whl"]
     assert envs.resolved_wheels(resolve(["latest"])[0], [str(tmp_path)]) is None
+
+
+def test_without_any_torch_the_package_index_chooses_and_the_note_says_so(monkeypatch, tmp_path):
+    monkeypatch.setattr(envs, "LOCAL_WHEEL_DIRS", [str(tmp_path)])
+    monkeypatch.setattr(envs.importlib.util, "find_spec", lambda name: None)
+    requirements, inherit = envs.torch_source(default_set())
+    assert requirements == ["torch"] and not inherit
+    note = envs.torch_note(default_set())
+    assert note.startswith("torch for set seed: the package index's newest") and "UV_TORCH_BACKEND=cpu" in note
