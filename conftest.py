@@ -28,7 +28,7 @@ def offload_dir(tmp_path):
 
 
 @pytest.fixture
-def prompt():
+def prompt(device):
     from stackcheck import scenario
 
-    return scenario.prompt()
+    return scenario.prompt(device)

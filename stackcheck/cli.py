@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import tempfile
 import time
@@ -13,6 +14,7 @@ from stackcheck.releases import bisect, history
 from stackcheck.releases import watch as watch_module
 from stackcheck.lane import CPU_LANE, bench_set, check_ledger, record_unbuildable, run_pytest
 from stackcheck.ledger import LedgerError
+from stackcheck.models import architectures
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
 
 DEFAULT_RESULTS = REPO_ROOT / "results" / "matrix.json"
@@ -73,6 +75,31 @@ def check_common_options(args) -> None:
     for folder in getattr(args, "find_links", []):
         if "://" not in folder and not Path(folder).expanduser().is_dir():
             raise UsageError(f"--find-links {folder}: no such folder")
+    if getattr(args, "arch", None):
+        arch_option(args)  # an unknown name, or a config.json that is no JSON or cannot be shrunk: before any build
+
+
+ARCH_HELP = ("architectures under test: built-in names, comma-separated, or a path to a config.json (shrunk to a tiny "
+             f"model of the same structure; no weights needed). Built in: {', '.join(architectures.builtin())}. Default: all")
+
+
+def arch_option(args) -> list[str]:
+    """The pytest option that runs the families on `--arch` (none: every built-in architecture)."""
+    if not getattr(args, "arch", None):
+        return []
+    try:
+        chosen = architectures.resolve(args.arch)
+    except architectures.ArchitectureError as exc:
+        raise UsageError(str(exc)) from None
+    builtin = architectures.builtin()
+    own = [a for a in chosen if builtin.get(a.name) != a]
+    if own and importlib.util.find_spec("transformers"):  # else the set's transformers decides, in its cells
+        from transformers import CONFIG_MAPPING
+
+        for arch in own:
+            if arch.model_type not in CONFIG_MAPPING:
+                raise UsageError(f"--arch {arch.source}: model_type '{arch.model_type}' is not one this transformers can build")
+    return ["--stackcheck-arch=" + ",".join(a.source if a in own else a.name for a in chosen)]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,11 +119,13 @@ def _parser() -> argparse.ArgumentParser:
     for name, what in (("matrix", "the CPU lane of every family"), ("gpu-matrix", "the GPU and CPU lanes of every family")):
         matrix = commands.add_parser(name, help=f"run {what} on each set and write the report")
         add_set_options(matrix, many=True)
+        matrix.add_argument("--arch", help=ARCH_HELP)
         matrix.add_argument("--results", type=absolute_path, default=DEFAULT_RESULTS, help="matrix.json to write")
         matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
 
     tests = commands.add_parser("tests", help="the harness's own tests plus the CPU lane on one set")
     add_set_options(tests, many=False)
+    tests.add_argument("--arch", help=ARCH_HELP)
     tests.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
 
     versions = commands.add_parser("versions", help="print the resolved pins of each set")
@@ -233,7 +262,8 @@ def run_matrix(args) -> int:
         lane_started = time.monotonic()
         selection = [] if gpu else [CPU_LANE]
         # Every set after the first loads the adapter the first one trained (stackcheck.exchange).
-        code = run_pytest(python, vset, ["tests/families"], ["-q", *selection, *args.pytest_args], args.results, sets[0].name)
+        code = run_pytest(python, vset, ["tests/families"], ["-q", *selection, *arch_option(args), *args.pytest_args],
+                          args.results, sets[0].name)
         if code == 4:  # pytest's usage error: it printed the reason (a bad pytest argument, or the ledger)
             raise UsageError(f"set {vset.name}: pytest refused the run (its ERROR line above)")
         print(f"== set {vset.name}: pytest exit {code}, {'+'.join(lanes)} lanes {time.monotonic() - lane_started:.1f} s, "
@@ -253,7 +283,7 @@ def run_tests(args) -> int:
     (vset,) = _selected(args)
     python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
     print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
-    return run_pytest(python, vset, ["tests"], args.pytest_args, None)
+    return run_pytest(python, vset, ["tests"], [*arch_option(args), *args.pytest_args], None)
 
 
 def run_bench(args) -> int:

@@ -1,7 +1,7 @@
 """The adapter exchange: each set of a run leaves the adapter it trained, with what it measured, for the sets
 after it; a candidate set loads its baseline's, as a user loads the adapter they trained before upgrading.
 
-The runner names the folder (beside the run's matrix.json) and the baseline: the gate's baseline for its
+The runner names the folder (beside the run's matrix.json, one per architecture) and the baseline: the gate's baseline for its
 candidate, the first set of a `matrix` run for the others. A set exports under `<folder>/<set slug>/`:
 `adapter/` (PEFT's `save_pretrained`), `outputs.safetensors` (the logits of the base and of the trained
 model on the prompt) and `export.json` (the set's versions, the greedy tokens, the base checkpoint the

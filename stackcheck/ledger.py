@@ -46,10 +46,12 @@ class Verdict(StrEnum):
     NOT_AFFECTED = "not_affected"  # the scenario does not exist yet on versions that predate the bug
     PASS = "pass"
     SKIPPED = "skipped"
+    NOT_APPLICABLE = "not_applicable"  # the scenario cannot exist on this architecture (a structure it lacks)
 
 
-PASS, KNOWN_BUG, NEW_FAILURE, FIXED, ERROR, SKIPPED, NOT_AFFECTED = (
+PASS, KNOWN_BUG, NEW_FAILURE, FIXED, ERROR, SKIPPED, NOT_AFFECTED, NOT_APPLICABLE = (
     Verdict.PASS, Verdict.KNOWN_BUG, Verdict.NEW_FAILURE, Verdict.FIXED, Verdict.ERROR, Verdict.SKIPPED, Verdict.NOT_AFFECTED,
+    Verdict.NOT_APPLICABLE,
 )
 SEVERITY = list(Verdict)
 
@@ -93,6 +95,11 @@ class Bug:
     affected: dict[str, SpecifierSet]
     signature: Signature
     cpu_flag: str | None = None  # shows only on a CPU with this extension (hostinfo.CPU_FLAGS)
+    architectures: tuple[str, ...] = ()  # the model types it lives in (`model_type`); empty: every architecture
+
+    def lives_on(self, model_type: str | None) -> bool:
+        """Whether the bug can show on an architecture of `model_type` (None: a test that builds no model)."""
+        return not self.architectures or model_type is None or model_type in self.architectures
 
     def affects(self, versions: dict[str, str]) -> bool:
         """True when every pinned constraint holds for the installed versions."""
@@ -205,7 +212,10 @@ def _keys(entry: object, where: str, required: set[str], optional: set[str] = fr
 
 def _parse_bug(bug_id: str, entry: object, packages: tuple[str, ...]) -> Bug:
     where = f"bugs.{bug_id}"
-    _keys(entry, where, {"summary", "links", "upstream_status", "affected", "signature"}, {"cpu_flag"})
+    _keys(entry, where, {"summary", "links", "upstream_status", "affected", "signature"}, {"cpu_flag", "architectures"})
+    architectures = entry.get("architectures", [])
+    _require(isinstance(architectures, list) and all(isinstance(x, str) for x in architectures), where,
+             "architectures must be a list of model types (config.json's model_type)")
     _require(entry.get("cpu_flag") in (None, *CPU_FLAGS), where, f"cpu_flag must be one of {', '.join(CPU_FLAGS)}")
     _require(isinstance(entry["links"], list) and entry["links"] and all(isinstance(x, str) for x in entry["links"]), where, "links must be a non-empty list of strings")
     affected = {}
@@ -226,7 +236,8 @@ def _parse_bug(bug_id: str, entry: object, packages: tuple[str, ...]) -> Bug:
                  where, "signature.band must be [low, high] with low <= high")
         band = (float(band[0]), float(band[1]))
     signature = Signature(sig["exception"], sig["message"], sig["frame"], band)
-    return Bug(bug_id, entry["summary"], tuple(entry["links"]), entry["upstream_status"], affected, signature, entry.get("cpu_flag"))
+    return Bug(bug_id, entry["summary"], tuple(entry["links"]), entry["upstream_status"], affected, signature,
+               entry.get("cpu_flag"), tuple(architectures))
 
 
 class Ledger:
@@ -266,9 +277,13 @@ class Ledger:
                 _require(any(fnmatch.fnmatch(name, pattern) for name in test_names),
                          f"families.{family}", f"tests pattern '{pattern}' of '{bug.id}' matches no collected test")
 
-    def judge(self, family: str, test_name: str, versions: dict[str, str], failure: Failure | None) -> Judgement:
-        """Verdict for a test that passed (failure is None), could not reach its scenario, or failed."""
-        candidates = self.families[family].bugs_for(test_name)
+    def judge(self, family: str, test_name: str, versions: dict[str, str], failure: Failure | None,
+              model_type: str | None = None) -> Judgement:
+        """Verdict for a test that passed (failure is None), could not reach its scenario, or failed, on an
+        architecture of `model_type` (None: the test builds no model). A bug of other architectures is never
+        expected here, and its signature here is a new failure that names it."""
+        listed = self.families[family].bugs_for(test_name)
+        candidates = [bug for bug in listed if bug.lives_on(model_type)]
         if failure is None:
             expected = [bug for bug in candidates if bug.affects(versions)]
             if expected:
@@ -288,6 +303,10 @@ class Ledger:
                 if bug.affects(versions):
                     return Judgement(KNOWN_BUG, bug.id, signature, None, list(bug.links))
                 note = f"known bug outside its affected range ({bug.describe_range()})"
+                return Judgement(NEW_FAILURE, bug.id, signature, note, list(bug.links))
+        for bug in listed:
+            if bug not in candidates and bug.signature.matches(failure):
+                note = f"known bug of other architectures ({', '.join(bug.architectures)}), not {model_type}"
                 return Judgement(NEW_FAILURE, bug.id, signature, note, list(bug.links))
         numeric = [bug for bug in candidates if bug.signature.band and bug.signature.matches_type_and_frame(failure)
                    and bug.signature.matches_message(failure)]

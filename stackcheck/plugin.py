@@ -7,7 +7,13 @@ that passes where the ledger says it should not (`fixed`: update the ledger).
 Every family test runs in two lanes, `[cpu]` and `[gpu]`; a test marked `gpu` runs in the GPU lane only,
 one marked `cpu` is skipped in the GPU lane (a visible cell, with the reason), and so is one marked `gpus(n)`
 on a host with fewer GPUs. `--stackcheck-lanes` chooses
-the lanes a run holds. The lane decides `scenario.main_device()`, so the CPU lane means the same on a GPU host as in CI.
+the lanes a run holds. The lane decides the `device` fixture, so the CPU lane means the same on a GPU host as in CI.
+
+Every family test that uses the model under test (the `under_test` fixture: an architecture on the lane's
+device) runs once per architecture (`--stackcheck-arch`, default every built-in one), its id's second
+parameter: `test_x[cpu-llama3-nf4]`. A test marked `needs(structure, ...)` (or whose module is) reads
+`not_applicable` on an architecture without those structures, as does a test asking an architecture for an
+adapter it does not define.
 
 No cell vanishes: when collection finishes, every expected cell is recorded as lost, and each verdict
 replaces its placeholder as it comes. A crashed worker or process leaves its cells as `error` (cell lost);
@@ -28,14 +34,14 @@ from pathlib import Path
 import pytest
 
 from stackcheck import exchange, hostinfo, results, scenario
-from stackcheck.models import tiny
+from stackcheck.models import architectures, tiny
 from stackcheck.lane import LAUNCHED_AT_ENV
 from stackcheck.ledger import (
-    ERROR, FIXED, KNOWN_BUG, NOT_AFFECTED, SKIPPED, Failure, Judgement, Ledger, LedgerError, family_modules,
+    ERROR, FIXED, KNOWN_BUG, NOT_AFFECTED, NOT_APPLICABLE, SKIPPED, Failure, Judgement, Ledger, LedgerError, family_modules,
 )
-from stackcheck.results import family_of, lane_of
-from stackcheck.scenario import ScenarioNotReached
-from stackcheck.models.tiny import FixtureError
+from stackcheck.models.tiny import FixtureError, NotApplicable
+from stackcheck.results import arch_of, family_of, lane_of
+from stackcheck.scenario import ScenarioNotReached, UnderTest
 from stackcheck.versions import installed_versions
 
 CELL_KEY = "stackcheck_cell"
@@ -48,6 +54,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--stackcheck-set", default="local", help="name of the version set under test")
     group.addoption("--stackcheck-results", default=None, help="matrix.json to record each cell in")
     group.addoption("--stackcheck-lanes", default=",".join(results.LANES), help="comma-separated lanes to run (cpu, gpu)")
+    group.addoption("--stackcheck-arch", default=None,
+                    help="architectures under test: built-in names, comma-separated, or a config.json (default: every built-in one)")
     group.addoption("--stackcheck-baseline", default=None,
                     help="the set of this run whose trained adapter this set loads (stackcheck.exchange; needs --stackcheck-results)")
     group.addoption("--stackcheck-timing", default=None,
@@ -94,13 +102,18 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stackcheck_lanes = [lane for lane in config.getoption("--stackcheck-lanes").split(",") if lane]
     if not set(config.stackcheck_lanes) <= set(results.LANES):
         raise pytest.UsageError(f"--stackcheck-lanes: unknown lane in {config.stackcheck_lanes} (lanes: {', '.join(results.LANES)})")
+    try:
+        config.stackcheck_architectures = architectures.resolve(config.getoption("--stackcheck-arch"))
+    except architectures.ArchitectureError as exc:
+        raise pytest.UsageError(str(exc)) from None
     config.stackcheck_versions = installed_versions()
     config.stackcheck_platform = hostinfo.platform_facts()
     if config.getoption("--stackcheck-timing") and not hasattr(config, "workerinput"):
         config.pluginmanager.register(Timing(Path(config.getoption("--stackcheck-timing"))), "stackcheck-timing")
     path = config.getoption("--stackcheck-results")
     if path and not hasattr(config, "workerinput"):  # the xdist controller (or a plain run) owns the file
-        recorder = Recorder(Path(path), config.getoption("--stackcheck-set"), config.stackcheck_lanes)
+        recorder = Recorder(Path(path), config.getoption("--stackcheck-set"), config.stackcheck_lanes,
+                            [arch.name for arch in config.stackcheck_architectures])
         results.record_set(recorder.path, recorder.set_name, config.stackcheck_versions, config.stackcheck_platform)
         config.pluginmanager.register(recorder, "stackcheck-recorder")
 
@@ -117,6 +130,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     gpu_lane = pytest.param("gpu", marks=pytest.mark.gpu)
     lanes = [gpu_lane] if metafunc.definition.get_closest_marker("gpu") else ["cpu", gpu_lane]
     metafunc.parametrize("lane", lanes, indirect=True)
+    if "under_test" in metafunc.fixturenames:
+        archs = metafunc.config.stackcheck_architectures
+        metafunc.parametrize("arch", archs, ids=[arch.name for arch in archs], indirect=True)
 
 
 def gpu_lane_skip_reason(node: pytest.Item, gpu_count: int) -> str | None:
@@ -138,17 +154,38 @@ def lane(request: pytest.FixtureRequest):
     name = getattr(request, "param", "cpu")
     if name == "gpu" and (reason := gpu_lane_skip_reason(request.node, torch.cuda.device_count())):
         pytest.skip(reason)
-    scenario.use_lane(name)
-    yield name
-    scenario.use_lane("cpu")
+    return name
 
 
 @pytest.fixture
-def adapter_exchange(request: pytest.FixtureRequest) -> exchange.AdapterExchange:
-    """Where this set leaves the adapter it trains, and finds its baseline's: beside the results file."""
+def device(lane: str):
+    """The lane's device: CUDA device 0 in the GPU lane, the CPU in the CPU lane (on every host)."""
+    return scenario.lane_device(lane)
+
+
+@pytest.fixture
+def arch(request: pytest.FixtureRequest) -> architectures.Architecture:
+    """The architecture under test (a parameter of every family test that uses the model)."""
+    return request.param
+
+
+@pytest.fixture
+def under_test(request: pytest.FixtureRequest, arch, device) -> UnderTest:
+    """The model under test: the architecture on the lane's device. A test whose bug needs structures the
+    architecture lacks (`needs` marks, module-level ones included) stops here as not applicable."""
+    subject = UnderTest(arch, device)
+    for mark in request.node.iter_markers("needs"):
+        subject.require_structures(mark.args)
+    return subject
+
+
+@pytest.fixture
+def adapter_exchange(request: pytest.FixtureRequest, arch) -> exchange.AdapterExchange:
+    """Where this set leaves the adapter it trains on `arch`, and finds its baseline's: beside the results
+    file, one folder per architecture."""
     config = request.config
     path = config.getoption("--stackcheck-results")
-    return exchange.AdapterExchange(exchange.folder_beside(Path(path)) if path else None,
+    return exchange.AdapterExchange(exchange.folder_beside(Path(path)) / arch.name if path else None,
                                     config.getoption("--stackcheck-set"), config.getoption("--stackcheck-baseline"))
 
 
@@ -198,6 +235,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     elif judgement.verdict == NOT_AFFECTED:
         report.outcome = "skipped"
         report.longrepr = (str(item.path), item.location[1] or 0, f"not affected: {judgement.note}")
+    elif judgement.verdict == NOT_APPLICABLE:
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, judgement.note)
     elif judgement.verdict == FIXED:
         report.outcome = "failed"
         report.longrepr = f"[fixed] {judgement.note}; links: {' '.join(judgement.links)}"
@@ -206,6 +246,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 def _cell(config: pytest.Config, family: str, nodeid: str, judgement: Judgement) -> dict:
     return {
         "set": config.getoption("--stackcheck-set"), "family": family, "test": nodeid, "lane": lane_of(nodeid),
+        "arch": arch_of(nodeid, [arch.name for arch in config.stackcheck_architectures]),
         "verdict": str(judgement.verdict), "signature": judgement.signature, "bug": judgement.bug, "note": judgement.note,
     }
 
@@ -220,11 +261,15 @@ def _judge(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport, 
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         return Judgement(SKIPPED, note=reason)
     excinfo = call.excinfo
+    if excinfo and excinfo.errisinstance(NotApplicable):
+        return Judgement(NOT_APPLICABLE, note=f"not applicable: {excinfo.value}")
     if report.when == "setup" or (excinfo and excinfo.errisinstance(FixtureError)):
         return Judgement(ERROR, signature=Failure.from_exception(excinfo.value).signature(), note="setup broke")
     not_reached = bool(excinfo and excinfo.errisinstance(ScenarioNotReached))
     failure = Failure.from_exception(excinfo.value, not_reached) if excinfo else None
-    return item.config.stackcheck_ledger.judge(family, item.name, item.config.stackcheck_versions, failure)
+    arch = item.callspec.params.get("arch") if hasattr(item, "callspec") else None
+    return item.config.stackcheck_ledger.judge(family, item.name, item.config.stackcheck_versions, failure,
+                                               arch.model_type if arch else None)
 
 
 class Recorder:
@@ -233,14 +278,15 @@ class Recorder:
 
     LOST = "cell lost: the run ended before this cell's verdict (a crashed worker or process)"
 
-    def __init__(self, path: Path, set_name: str, lanes: list[str]):
-        self.path, self.set_name, self.lanes = path, set_name, lanes
+    def __init__(self, path: Path, set_name: str, lanes: list[str], arch_names: list[str]):
+        self.path, self.set_name, self.lanes, self.arch_names = path, set_name, lanes, arch_names
         self.fingerprint = results.fingerprint()
         self.seconds: dict[str, float] = {}
         self.expected_recorded = False
 
     def _lost(self, nodeid: str, family: str, signature: str = LOST, note: str | None = None) -> dict:
-        return {"set": self.set_name, "family": family, "test": nodeid, "lane": lane_of(nodeid), "verdict": str(ERROR),
+        return {"set": self.set_name, "family": family, "test": nodeid, "lane": lane_of(nodeid),
+                "arch": arch_of(nodeid, self.arch_names), "verdict": str(ERROR),
                 "signature": signature, "bug": None, "note": note, "seconds": 0.0}
 
     def _expect(self, nodeids: list[str]) -> None:

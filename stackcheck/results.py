@@ -15,10 +15,10 @@ from stackcheck.ledger import FAMILIES_DIR, SEVERITY, SKIPPED, Ledger
 from stackcheck.versions import UsageError, load_sets
 
 LANES = ("gpu", "cpu")
-CELL_KEYS = ("set", "family", "test", "lane", "verdict", "signature", "bug", "note", "seconds")
+CELL_KEYS = ("set", "family", "test", "lane", "arch", "verdict", "signature", "bug", "note", "seconds")
 # What a verdict means besides the libraries: the ledger and the judging of a failure against it, and the
 # family tests with what they build and run.
-DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/ledger.py", "stackcheck/plugin.py", "stackcheck/scenario.py", "stackcheck/hostinfo.py", "stackcheck/models/*.py", "fixtures/*.json", "tests/families/*.py")
+DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/ledger.py", "stackcheck/plugin.py", "stackcheck/scenario.py", "stackcheck/hostinfo.py", "stackcheck/models/*.py", "fixtures/*.json", "fixtures/architectures/*.json", "tests/families/*.py")
 
 
 def family_of(nodeid: str) -> str | None:
@@ -33,6 +33,13 @@ def lane_of(nodeid: str) -> str:
     """The lane is the first parameter of every family test (`test_x[cpu-nf4]`)."""
     params = nodeid.partition("[")[2]
     return params.split("-", 1)[0].rstrip("]") if params else "cpu"
+
+
+def arch_of(nodeid: str, arch_names: list[str]) -> str | None:
+    """The architecture of a family test id, its second parameter (`test_x[cpu-llama3-nf4]`); None for a test
+    that builds no model (its second parameter, if any, is no architecture of the run)."""
+    params = nodeid.partition("[")[2].rstrip("]").split("-")
+    return params[1] if len(params) > 1 and params[1] in arch_names else None
 
 
 def fingerprint() -> str:
@@ -205,7 +212,7 @@ def _shape_problem(data) -> str | None:
             return f"set '{name}': `platform` is not an object"
     if not isinstance(data["cells"], list):
         return "`cells` is not a list"
-    required = [key for key in CELL_KEYS if key not in ("signature", "bug", "note")]  # None where no bug matched, or absent in older files
+    required = [key for key in CELL_KEYS if key not in ("arch", "signature", "bug", "note")]  # None where no bug matched (or no model), or absent in older files
     texts = [key for key in required if key != "seconds"]
     for index, cell in enumerate(data["cells"]):
         if not isinstance(cell, dict):
@@ -250,17 +257,20 @@ def render_markdown(data: dict, ledger: Ledger | None = None) -> str:
         facts = [platform.get(k, "n/a") for k in PLATFORM_COLUMNS] if platform else ["not recorded"] * len(PLATFORM_COLUMNS)
         lines.append(f"| {name} | " + " | ".join(_escape(fact) for fact in facts) + " |")
     columns = [(name, lane) for name in sets for lane in LANES if any(c["set"] == name and c["lane"] == lane for c in data["cells"])]
-    lines += ["", "| family | " + " | ".join(f"{name} ({lane})" for name, lane in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    archs = list(dict.fromkeys(c.get("arch") for c in data["cells"]))  # in the order the run listed them
+    lines += ["", "One row per family and architecture (`-`: the family's tests build no model).", ""]
+    lines += ["| family | arch | " + " | ".join(f"{name} ({lane})" for name, lane in columns) + " |", "|---" * (len(columns) + 2) + "|"]
     for family in families:
-        row = [family]
-        for name, lane in columns:
-            cells = [c for c in data["cells"] if c["set"] == name and c["lane"] == lane and c["family"] == family]
-            row.append(_summary(cells, ledger) if cells else "**missing**")
-        lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "## Cells", "", "| set | lane | test | verdict | bug | signature | note | s |", "|---" * 8 + "|"]
+        for arch in [a for a in archs if any(c["family"] == family and c.get("arch") == a for c in data["cells"])]:
+            row = [family, arch or "-"]
+            for name, lane in columns:
+                cells = [c for c in data["cells"] if c["set"] == name and c["lane"] == lane and c["family"] == family and c.get("arch") == arch]
+                row.append(_summary(cells, ledger) if cells else "**missing**")
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "## Cells", "", "| set | lane | arch | test | verdict | bug | signature | note | s |", "|---" * 9 + "|"]
     for c in data["cells"]:
         lines.append(
-            f"| {c['set']} | {c['lane']} | `{c['test']}` | {c['verdict']} | {c.get('bug') or ''} | {_escape(c.get('signature'))} "
+            f"| {c['set']} | {c['lane']} | {c.get('arch') or '-'} | `{c['test']}` | {c['verdict']} | {c.get('bug') or ''} | {_escape(c.get('signature'))} "
             f"| {_escape(c.get('note'))} | {c['seconds']:.1f} |"
         )
     return "\n".join(lines) + "\n"

@@ -1,6 +1,8 @@
-"""Building blocks every family test shares: loading the tiny model the way the seed user did,
+"""Building blocks every family test shares: loading the tiny model under test the way the seed user did,
 dispatching it with accelerate, loading adapters through PEFT, and proving preconditions.
 
+The model under test reaches each test as the `under_test` fixture (an `UnderTest`: the architecture and the
+lane's device), and every helper that builds, places or feeds a model takes it as its first argument.
 Each helper calls the public entry point whose code path the seed traces go through, and the `require_*`
 helpers turn a missing precondition into ScenarioNotReached. One library setting is chosen rather than
 left to the machine: bitsandbytes' CPU kernel for 4-bit layers (`pin_portable_cpu_kernel`).
@@ -9,12 +11,16 @@ left to the machine: bitsandbytes' CPU kernel for 4-bit layers (`pin_portable_cp
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from stackcheck import hostinfo
-from stackcheck.models import tiny
+from stackcheck.models import architectures, tiny
+from stackcheck.models.architectures import Architecture
+from stackcheck.models.tiny import NotApplicable
 
 # Chosen so that every greedy step of the tiny base and adapter, 4-bit and bf16, wins by at least 0.69
 # logits (11 bf16 steps at their scale): token comparisons then test the stack, not rounding on a near-tie.
@@ -30,7 +36,31 @@ TOWERS = ("model.vision_tower", "model.audio_tower")
 # `embed_vision` and `embed_audio`) and, because any list replaces transformers' defaults, the tied head.
 TOWER_SKIP_MODULES = ["model.vision_tower", "model.embed_vision", "model.audio_tower", "model.embed_audio", "lm_head"]
 
-_lane_device = torch.device("cpu")
+
+@dataclass(frozen=True)
+class UnderTest:
+    """The model under test: an architecture, on the lane's device (the CPU lane stays on the CPU even on a
+    GPU host, so its verdicts mean the same on every machine)."""
+
+    arch: Architecture
+    device: torch.device
+
+    @cached_property
+    def structures(self) -> frozenset[str]:
+        return architectures.structures(tiny.tiny_config(self.arch))
+
+    def require_structures(self, needed: Iterable[str]) -> None:
+        """A test whose bug lives in structures this architecture lacks cannot exist on it: not applicable."""
+        missing = sorted(set(needed) - self.structures)
+        if missing:
+            raise NotApplicable(f"{self.arch.name} has no {', '.join(missing)}")
+
+    def __str__(self) -> str:
+        return f"{self.arch.name} on {self.device}"
+
+
+def lane_device(lane: str) -> torch.device:
+    return torch.device("cuda", 0) if lane == "gpu" else torch.device("cpu")
 
 
 class ScenarioNotReached(Exception):
@@ -67,17 +97,6 @@ def relative_error(measured: torch.Tensor, reference: torch.Tensor) -> float:
     return ((measured - reference).norm() / reference.norm()).item()
 
 
-def use_lane(lane: str) -> None:
-    """Point `main_device()` at the lane's device. The CPU lane stays on the CPU even on a GPU host, so its
-    verdicts mean the same on every machine."""
-    global _lane_device
-    _lane_device = torch.device("cuda", 0) if lane == "gpu" else torch.device("cpu")
-
-
-def main_device() -> torch.device:
-    return _lane_device
-
-
 def device_key(device: torch.device) -> int | str:
     """How accelerate's device maps and max_memory name a device."""
     return device.index if device.type == "cuda" else device.type
@@ -108,15 +127,14 @@ def int8_config(fp32_cpu_offload: bool = False):
     return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=fp32_cpu_offload)
 
 
-def load_base(quantized: bool = True, double_quant: bool = True, device_map=None, checkpoint: Path | None = None, **kwargs):
-    """The seed's `Gemma4ForConditionalGeneration.from_pretrained`, on the tiny checkpoint (or on `checkpoint`,
-    one that another set's transformers wrote)."""
-    from transformers import Gemma4ForConditionalGeneration
-
+def load_base(under_test: UnderTest, quantized: bool = True, double_quant: bool = True, device_map=None,
+              checkpoint: Path | None = None, **kwargs):
+    """The user's `<ModelClass>.from_pretrained` (the seed's `Gemma4ForConditionalGeneration`), on the tiny
+    checkpoint of the architecture (or on `checkpoint`, one that another set's transformers wrote)."""
     if device_map is None:
-        device_map = {"": str(main_device())}
-    checkpoint = checkpoint or tiny.base_checkpoint()
-    return load_pretrained(Gemma4ForConditionalGeneration, checkpoint, quantized, double_quant, device_map, **kwargs)
+        device_map = {"": str(under_test.device)}
+    checkpoint = checkpoint or tiny.base_checkpoint(under_test.arch)
+    return load_pretrained(tiny.model_class(under_test.arch), checkpoint, quantized, double_quant, device_map, **kwargs)
 
 
 def load_pretrained(model_class, checkpoint: Path, quantized: bool, double_quant: bool, device_map, **kwargs):
@@ -192,12 +210,46 @@ def quant_state_devices(module: torch.nn.Module) -> set[str]:
     return {t.device.type for t in quant_state_tensors(module.weight.quant_state)}
 
 
-def dispatch_with_offload(model, offload_dir: Path, *offloaded_modules: str):
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers of the language model: the `layers` beside its input embeddings."""
+    embeddings = model.get_input_embeddings()
+    decoder = next(name.rpartition(".")[0] for name, m in model.named_modules() if m is embeddings)
+    return model.get_submodule(f"{decoder}.layers" if decoder else "layers")
+
+
+def module_name(model, module: torch.nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def last_layer_4bit_block(model) -> str:
+    """The name of the last decoder layer's MLP, or its attention where the MLP holds no 4-bit layer (a
+    mixture of experts keeps its fused experts out of bitsandbytes' reach)."""
+    last = decoder_layers(model)[-1]
+    for child in ("mlp", "self_attn"):
+        if linear4bit_modules(getattr(last, child)):
+            return module_name(model, getattr(last, child))
+    raise ScenarioNotReached("the last decoder layer holds no bnb Linear4bit")
+
+
+def unquantized_offload_target(model) -> str:
+    """A module bitsandbytes leaves in bf16, for a split that PEFT redispatches without any 4-bit layer being
+    offloaded: Gemma 4's per-layer embedding table where there is one, else the decoder's final norm."""
+    names = [name for name, _ in model.named_modules()]
+    per_layer = [name for name in names if name.endswith("embed_tokens_per_layer")]
+    if per_layer:
+        return per_layer[0]
+    decoder = module_name(model, decoder_layers(model)).rpartition(".")[0]
+    norm = f"{decoder}.norm" if decoder else "norm"
+    require(norm in names and not linear4bit_modules(model.get_submodule(norm)), f"the decoder has no final norm ({norm})")
+    return norm
+
+
+def dispatch_with_offload(under_test: UnderTest, model, offload_dir: Path, *offloaded_modules: str):
     """accelerate's `dispatch_model` as transformers calls it (with `skip_keys`): `offloaded_modules` on the
     offload device, everything else on the main device."""
     from accelerate import dispatch_model
 
-    main = main_device()
+    main = under_test.device
     device_map = {**dict.fromkeys(offloaded_modules, offload_device(main)), "": device_key(main)}
     return dispatch_model(
         model, device_map=device_map, offload_dir=str(offload_dir), skip_keys=model._skip_keys_device_placement
@@ -210,67 +262,75 @@ def missing_device_map_keys(model, device_map: dict) -> list[str]:
     return [key for key in device_map if key not in names]
 
 
-def split_base(offload_dir: Path, quantized: bool = True, double_quant: bool = True):
+def split_base(under_test: UnderTest, offload_dir: Path, quantized: bool = True, double_quant: bool = True):
     """The base split across devices the way the seed user split it, so that PEFT redispatches it.
 
-    GPU lane: the seed's own load, transformers dispatching `SEED_SPLIT_DEVICE_MAP` with the multimodal
-    towers on the CPU (left unquantized by `llm_int8_enable_fp32_cpu_offload`).
-    CPU lane: the main device is the CPU, so the split goes one level down: the per-layer embedding table,
-    which bitsandbytes never quantizes, is offloaded to disk.
+    GPU lane: the user's own load, transformers dispatching a device map with the modules bitsandbytes leaves
+    in bf16 (`llm_int8_enable_fp32_cpu_offload`) on the CPU: the seed's `SEED_SPLIT_DEVICE_MAP` (the towers)
+    where the model has towers, else `unquantized_offload_target`.
+    CPU lane: the main device is the CPU, so the split goes one level down: `unquantized_offload_target`
+    (Gemma 4's per-layer embedding table) is offloaded to disk.
     Either way the base gets an `hf_device_map` with an offloaded entry, which is what makes PEFT redispatch.
     """
-    if main_device().type == "cpu":
-        model = load_base(quantized=quantized, double_quant=double_quant)
-        model = dispatch_with_offload(model, offload_dir, "model.language_model.embed_tokens_per_layer")
+    if under_test.device.type == "cpu":
+        model = load_base(under_test, quantized=quantized, double_quant=double_quant)
+        model = dispatch_with_offload(under_test, model, offload_dir, unquantized_offload_target(model))
     else:
         config = {"quantization_config": bnb_config(double_quant, fp32_cpu_offload=True)} if quantized else {}
-        model = load_base(quantized=quantized, device_map=SEED_SPLIT_DEVICE_MAP, **config)
-        missing = missing_device_map_keys(model, SEED_SPLIT_DEVICE_MAP)
-        require(not missing, f"the split device map names modules Gemma 4 does not have: {missing}")
+        if {"vision_tower", "audio_tower"} <= under_test.structures:
+            device_map = SEED_SPLIT_DEVICE_MAP
+        else:
+            with torch.device("meta"):
+                target = unquantized_offload_target(tiny.model_class(under_test.arch)(tiny.tiny_config(under_test.arch)))
+            device_map = {target: "cpu", "": 0}
+        model = load_base(under_test, quantized=quantized, device_map=device_map, **config)
+        missing = missing_device_map_keys(model, device_map)
+        require(not missing, f"the split device map names modules the model does not have: {missing}")
     offloaded = {device for device in getattr(model, "hf_device_map", {}).values() if device in ("cpu", "disk")}
     require(offloaded and len(set(model.hf_device_map.values())) > 1, "the split base was not dispatched across devices")
     return model
 
 
-def towers_offloaded_base(offload_dir: Path):
+def towers_offloaded_base(under_test: UnderTest, offload_dir: Path):
     """The 4-bit base with its multimodal towers in bf16 and offloaded by accelerate, as the seed user's split
     leaves them: the towers' weights wait on meta and their offload hooks bring them in for each forward.
     GPU lane: `split_base` itself (the towers on the CPU). CPU lane: the towers kept in bf16 by
     `TOWER_SKIP_MODULES`, offloaded one level down, to disk."""
-    if main_device().type == "cuda":
-        model = split_base(offload_dir)
+    under_test.require_structures(("vision_tower", "audio_tower"))
+    if under_test.device.type == "cuda":
+        model = split_base(under_test, offload_dir)
     else:
         config = bnb_config()
         config.llm_int8_skip_modules = TOWER_SKIP_MODULES
-        model = dispatch_with_offload(load_base(quantization_config=config), offload_dir, *TOWERS)
+        model = dispatch_with_offload(under_test, load_base(under_test, quantization_config=config), offload_dir, *TOWERS)
     towers = dict(model.named_modules())
     on_meta = [tower for tower in TOWERS if all(p.device.type == "meta" for p in towers[tower].parameters())]
     require(on_meta == list(TOWERS), f"accelerate did not offload the towers (offloaded: {on_meta})")
     return model
 
 
-def memory_pressure(model, fraction: float = 0.5) -> dict:
+def memory_pressure(under_test: UnderTest, model, fraction: float = 0.5) -> dict:
     """A `max_memory` whose main-device budget holds only `fraction` of the model, forcing the rest off it:
     the seed user's 12 GB GPU, reproduced on any device. On a GPU the CPU gets room for the overflow, as the
     user's did; without a CPU budget accelerate would send it to disk."""
     from accelerate.utils import compute_module_sizes, get_max_memory
 
-    main = main_device()
+    main = under_test.device
     budget = {device_key(main): int(compute_module_sizes(model)[""] * fraction)}
     if main.type == "cuda":
         budget["cpu"] = get_max_memory()["cpu"]
     return budget
 
 
-def peft_load(base, adapter: str | Path, **kwargs):
-    """`PeftModel.from_pretrained` with a tiny adapter fixture's name, or an adapter directory."""
+def peft_load(under_test: UnderTest, base, adapter: str | Path, **kwargs):
+    """`PeftModel.from_pretrained` with the name of an adapter fixture of the architecture, or an adapter directory."""
     from peft import PeftModel
 
-    checkpoint = adapter if isinstance(adapter, Path) else tiny.adapter_checkpoint(adapter)
+    checkpoint = adapter if isinstance(adapter, Path) else tiny.adapter_checkpoint(under_test.arch, adapter)
     return PeftModel.from_pretrained(base, checkpoint, is_trainable=False, **kwargs)
 
 
-def image_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def image_inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(a random image, a grey one, patch positions) as Gemma 4's image processor lays them out: values in
     [0, 1], one row of 3 * patch_size**2 values per patch, (x, y) positions. The tiny tower's patch is 4 pixels:
     a 16 x 16 image is 4 x 4 patches, pooled to 4 soft tokens. Values stay clear of 0 and 1, which a uint8
@@ -280,49 +340,49 @@ def image_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grey = torch.full_like(image, 0.5)
     x, y = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy")
     positions = torch.stack([x, y], dim=-1).reshape(1, 16, 2)
-    return image.to(main_device()), grey.to(main_device()), positions.to(main_device())
+    return image.to(device), grey.to(device), positions.to(device)
 
 
-def audio_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def audio_inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Two random log-mel inputs and their mask: 48 frames of 8 bins (the tiny tower's two stride-2
     convolutions need 8), 12 soft tokens each."""
     generator = torch.Generator().manual_seed(2)
     first, second = (torch.randn(1, 48, 8, generator=generator).to(torch.bfloat16) for _ in range(2))
-    return first.to(main_device()), second.to(main_device()), torch.ones(1, 48, dtype=torch.bool, device=main_device())
+    return first.to(device), second.to(device), torch.ones(1, 48, dtype=torch.bool, device=device)
 
 
 IMAGE_SOFT_TOKENS, AUDIO_SOFT_TOKENS = 4, 12
 
 
-def training_batch(config, multimodal: bool = False) -> dict[str, torch.Tensor]:
+def training_batch(device: torch.device, config, multimodal: bool = False) -> dict[str, torch.Tensor]:
     """The fixed training batch as model kwargs. Multimodal: an image and an audio clip between the text
     tokens, their soft-token positions left out of the loss."""
     text = TRAINING_IDS[0]
     if not multimodal:
-        ids = torch.tensor([text], device=main_device())
+        ids = torch.tensor([text], device=device)
         return {"input_ids": ids, "labels": ids}
     media = [config.image_token_id] * IMAGE_SOFT_TOKENS + [config.audio_token_id] * AUDIO_SOFT_TOKENS
-    ids = torch.tensor([text[:4] + media + text[4:]], device=main_device())
+    ids = torch.tensor([text[:4] + media + text[4:]], device=device)
     labels = ids.masked_fill((ids == config.image_token_id) | (ids == config.audio_token_id), -100)
-    image, _grey, positions = image_inputs()
-    audio, _other, audio_mask = audio_inputs()
+    image, _grey, positions = image_inputs(device)
+    audio, _other, audio_mask = audio_inputs(device)
     return {"input_ids": ids, "labels": labels, "pixel_values": image, "image_position_ids": positions,
             "input_features": audio, "input_features_mask": audio_mask}
 
 
-def qlora_model(base, adapter: str = "language"):
+def qlora_model(under_test: UnderTest, base, adapter: str = "language"):
     """The QLoRA recipe on `base`: `prepare_model_for_kbit_training` with its defaults, then a fresh LoRA on the
     adapter fixture's targets (`tiny.lora_config`), in training mode."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
-    model = get_peft_model(prepare_model_for_kbit_training(base), tiny.lora_config(adapter))
+    model = get_peft_model(prepare_model_for_kbit_training(base), tiny.lora_config(under_test.arch, adapter))
     model.train()
     return model
 
 
-def train_steps(model, optimizer, steps: int, multimodal: bool = False) -> list[float]:
+def train_steps(under_test: UnderTest, model, optimizer, steps: int, multimodal: bool = False) -> list[float]:
     """`steps` optimizer steps on the fixed training batch (`training_batch`); the loss of each."""
-    batch = training_batch(model.config, multimodal)
+    batch = training_batch(under_test.device, model.config, multimodal)
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
@@ -344,8 +404,8 @@ def offloaded_linear4bit(model, device_map: dict[str, object], offloaded_to: Ite
     ]
 
 
-def prompt(device=None) -> torch.Tensor:
-    return torch.tensor(PROMPT_IDS, device=device or main_device())
+def prompt(device: torch.device) -> torch.Tensor:
+    return torch.tensor(PROMPT_IDS, device=device)
 
 
 @torch.no_grad()
@@ -416,7 +476,7 @@ def require_adapter_changes(with_adapter: torch.Tensor, without_adapter: torch.T
 
 def shared_kv_layers(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
     """(decoder layers, the KV-shared ones among them); errors when the model has no shared-KV layers."""
-    layers = [layer for name, m in model.named_modules() if name.endswith("language_model.layers") for layer in m]
+    layers = list(decoder_layers(model))
     shared = [layer for layer in layers if getattr(layer.self_attn, "is_kv_shared_layer", False)]
     require(shared, "the model has no KV-shared decoder layers")
     return layers, shared

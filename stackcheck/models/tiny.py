@@ -1,8 +1,10 @@
-"""Tiny random Gemma 4 checkpoints and LoRA adapters, built from config with no network; and for the
-benchmarks, one realistic-size random Gemma 4 text checkpoint with its adapter, built the same way.
+"""Tiny random checkpoints of each architecture under test (stackcheck.models.architectures) and their LoRA
+adapters, built from config with no network; and for the benchmarks, one realistic-size random Gemma 4 text
+checkpoint with its adapter, built the same way.
 
 Config schemas change between transformers releases, so each checkpoint is built by the installed
-transformers and cached under a key made of its version and a hash of the fixture files.
+transformers and cached once per (architecture, transformers version), under a key made of the version and a
+hash of the tiny config and the adapter fixtures.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ import time
 from functools import cache
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from stackcheck import REPO_ROOT
+
+if TYPE_CHECKING:
+    from stackcheck.models.architectures import Architecture
 
 # A harness test points this elsewhere to break a precondition on purpose.
 FIXTURES_DIR = Path(os.environ.get("STACKCHECK_FIXTURES", REPO_ROOT / "fixtures"))
@@ -31,35 +38,72 @@ def _fixture(name: str) -> dict:
     return data
 
 
-def adapter_spec(name: str) -> dict:
-    return _fixture("adapters.json")[name]
+class FixtureError(Exception):
+    """A fixture could not be built with the installed libraries: the cell's setup broke, which says
+    nothing about the bug under test (the verdict is `error`, never `new_failure`)."""
+
+
+class NotApplicable(Exception):
+    """The test's scenario cannot exist on this architecture (a structure or an adapter it lacks): the cell
+    reads `not_applicable`, with the reason, never missing and never a pass."""
+
+
+def adapter_spec(arch: Architecture, name: str) -> dict:
+    """The adapter fixture `name` of `arch` (fixtures/adapters.json): the seed's Gemma 4 has its own
+    hand-written targets; every other architecture takes what users take, PEFT's default targets for the
+    model type ("peft-default", "all-linear" where PEFT has none) and "all-linear"."""
+    adapters = _fixture("adapters.json")
+    specs = adapters.get(arch.name, adapters["*"])
+    if name not in specs:
+        raise NotApplicable(f"{arch.name} has no '{name}' adapter (its adapters: {', '.join(specs)})")
+    spec = dict(specs[name])
+    if spec["target_modules"] == PEFT_DEFAULT_TARGETS:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+        spec["target_modules"] = defaults.get(arch.model_type, "all-linear")
+    return spec
+
+
+PEFT_DEFAULT_TARGETS = "peft-default"
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("STACKCHECK_CACHE", REPO_ROOT / ".cache"))
 
 
-def _cache_dir(model: str = "tiny-gemma4", fixtures: tuple[str, ...] = ("tiny_gemma4.json", "adapters.json")) -> Path:
+def _cache_dir(model: str, texts: tuple[str, ...]) -> Path:
     import transformers
 
     digest = hashlib.sha256()
-    for name in fixtures:
-        digest.update((FIXTURES_DIR / name).read_bytes())
+    for text in texts:
+        digest.update(text.encode())
     return cache_root() / f"{model}-transformers-{transformers.__version__}-{digest.hexdigest()[:12]}"
 
 
-class FixtureError(Exception):
-    """A fixture could not be built with the installed libraries: the cell's setup broke, which says
-    nothing about the bug under test (the verdict is `error`, never `new_failure`)."""
+def _arch_cache_dir(arch: Architecture) -> Path:
+    """One cache folder per (architecture, transformers version), keyed by its config and the adapters."""
+    return _cache_dir(f"tiny-{arch.name}", (arch.digest_text(), (FIXTURES_DIR / "adapters.json").read_text()))
 
 
-def tiny_config():
+def tiny_config(arch: Architecture):
+    """The tiny config of `arch`, built by the installed transformers."""
     try:
-        from transformers import Gemma4Config
+        from transformers import AutoConfig
 
-        return Gemma4Config(**_fixture("tiny_gemma4.json"))
+        settings = dict(arch.config)
+        return AutoConfig.for_model(settings.pop("model_type"), **settings)
     except Exception as exc:
-        raise FixtureError(f"the tiny Gemma 4 config cannot be built: {type(exc).__name__}: {exc}") from exc
+        raise FixtureError(f"this transformers cannot build the tiny {arch.name} config: {type(exc).__name__}: {exc}") from exc
+
+
+def model_class(arch: Architecture):
+    """The transformers class `arch`'s config names (`architectures[0]`), as the user's `from_pretrained` uses it."""
+    import transformers
+
+    found = getattr(transformers, arch.model_class, None)
+    if found is None:
+        raise FixtureError(f"this transformers has no {arch.model_class} (the class {arch.name}'s config names)")
+    return found
 
 
 def _build_once(target: Path, build) -> Path:
@@ -86,44 +130,45 @@ def _build_once(target: Path, build) -> Path:
     return target
 
 
-def _new_base_model():
+def _new_base_model(arch: Architecture):
     import torch
-    from transformers import Gemma4ForConditionalGeneration
 
     torch.manual_seed(SEED)
-    return Gemma4ForConditionalGeneration(tiny_config()).eval()
+    cls, config = model_class(arch), tiny_config(arch)
+    # Auto classes build through `from_config`; a model class through its constructor.
+    return (cls.from_config(config) if hasattr(cls, "from_config") else cls(config)).eval()
 
 
 @cache
-def base_checkpoint() -> Path:
-    """Directory of the bf16 safetensors checkpoint of the tiny model."""
+def base_checkpoint(arch: Architecture) -> Path:
+    """Directory of the bf16 safetensors checkpoint of `arch`'s tiny model."""
     import torch
 
     def build(out: Path) -> None:
-        _new_base_model().to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+        _new_base_model(arch).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
 
-    return _build_once(_cache_dir() / "base", build)
+    return _build_once(_arch_cache_dir(arch) / "base", build)
 
 
-def lora_config(name: str, **overrides):
-    """The LoRA config of the adapter fixture `name`: its targets (fixtures/adapters.json), rank 4, alpha 8."""
+def lora_config(arch: Architecture, name: str, **overrides):
+    """The LoRA config of `arch`'s adapter fixture `name`: its targets (`adapter_spec`), rank 4, alpha 8."""
     from peft import LoraConfig
 
-    return LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": adapter_spec(name)["target_modules"], **overrides})
+    return LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": adapter_spec(arch, name)["target_modules"], **overrides})
 
 
 @cache
-def adapter_checkpoint(name: str) -> Path:
-    """Directory of the LoRA adapter fixture `name` (see fixtures/adapters.json)."""
+def adapter_checkpoint(arch: Architecture, name: str) -> Path:
+    """Directory of `arch`'s LoRA adapter fixture `name` (see fixtures/adapters.json)."""
     import torch
     from peft import get_peft_model
 
-    spec = adapter_spec(name)
+    spec = adapter_spec(arch, name)
 
     def build(out: Path) -> None:
         torch.manual_seed(SEED + 1)
-        config = lora_config(spec.get("weights_from", name), init_lora_weights=False)
-        model = get_peft_model(_new_base_model(), config)
+        config = lora_config(arch, spec.get("weights_from", name), init_lora_weights=False)
+        model = get_peft_model(_new_base_model(arch), config)
         model.save_pretrained(out)
         if "weights_from" in spec:
             # The broad adapter's targets cannot be applied on releases with the clippable bug, so its
@@ -133,8 +178,7 @@ def adapter_checkpoint(name: str) -> Path:
             saved["target_modules"] = spec["target_modules"]
             config_file.write_text(json.dumps(saved, indent=2))
 
-    return _build_once(_cache_dir() / f"adapter-{name}", build)
-
+    return _build_once(_arch_cache_dir(arch) / f"adapter-{name}", build)
 
 
 REALISTIC_FIXTURE = "realistic_gemma4_text.json"
@@ -167,4 +211,4 @@ def realistic_checkpoint() -> Path:
         adapter = LoraConfig(init_lora_weights=False, **_fixture(REALISTIC_FIXTURE)["adapter"])
         get_peft_model(model, adapter).save_pretrained(out / "adapter")
 
-    return _build_once(_cache_dir("gemma4-text-realistic", (REALISTIC_FIXTURE,)), build)
+    return _build_once(_cache_dir("gemma4-text-realistic", ((FIXTURES_DIR / REALISTIC_FIXTURE).read_text(),)), build)

@@ -31,7 +31,8 @@ from stackcheck.releases.probes import DEFAULT_STORE, Probe, Prober, ProbeStore
 from stackcheck.versions import PACKAGES, UsageError, VersionSet, default_set, index_versions, parse_pin, resolve
 
 VERDICT_CODES = {Verdict.NEW_FAILURE: "N", Verdict.ERROR: "E", Verdict.FIXED: "F", Verdict.KNOWN_BUG: "K",
-                 Verdict.NOT_AFFECTED: "A", Verdict.PASS: "P", Verdict.SKIPPED: "S"}
+                 Verdict.NOT_AFFECTED: "A", Verdict.PASS: "P", Verdict.SKIPPED: "S",
+                 Verdict.NOT_APPLICABLE: "-"}
 VERDICT_TRANSITION, SIGNATURE_TRANSITION = "verdict", "signature"
 COST_PARTS = ("environment", "startup", "fixtures", "tests", "exit", "total")
 
@@ -160,7 +161,8 @@ def _describe(cell: dict | None) -> str:
 
 
 HEAT_COLOURS = {Verdict.NEW_FAILURE: "#d62728", Verdict.ERROR: "#7f7f7f", Verdict.FIXED: "#17becf", Verdict.KNOWN_BUG: "#ff7f0e",
-                Verdict.NOT_AFFECTED: "#c7e9c0", Verdict.PASS: "#2ca02c", Verdict.SKIPPED: "#dddddd"}
+                Verdict.NOT_AFFECTED: "#c7e9c0", Verdict.PASS: "#2ca02c", Verdict.SKIPPED: "#dddddd",
+                Verdict.NOT_APPLICABLE: "#f4f4f4"}
 
 
 def render_heat_map(sweep: dict, rows: list[tuple[str, Probe | None]], families: list[str], path: Path) -> str | None:

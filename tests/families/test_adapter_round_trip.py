@@ -42,17 +42,17 @@ from stackcheck.exchange import ExportMissing
 ROUND_TRIP_TOLERANCE = 0.01
 
 
-def reload_for_training(adapter, checkpoint=None):
+def reload_for_training(under_test, adapter, checkpoint=None):
     """A fresh 4-bit base, prepared as for training (without checkpointing: nothing is trained), with `adapter`."""
-    base = prepare_model_for_kbit_training(scenario.load_base(checkpoint=checkpoint), use_gradient_checkpointing=False)
-    return scenario.peft_load(base, adapter)
+    base = prepare_model_for_kbit_training(scenario.load_base(under_test, checkpoint=checkpoint), use_gradient_checkpointing=False)
+    return scenario.peft_load(under_test, base, adapter)
 
 
-def test_trained_adapter_reloads_onto_a_fresh_4bit_base(prompt, tmp_path, adapter_exchange, request):
-    model = scenario.qlora_model(scenario.load_base())
+def test_trained_adapter_reloads_onto_a_fresh_4bit_base(under_test, prompt, tmp_path, adapter_exchange, request):
+    model = scenario.qlora_model(under_test, scenario.load_base(under_test))
     with model.disable_adapter():
         base_logits = scenario.logits(model.eval(), prompt)
-    scenario.train_steps(model.train(), torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2), 5)
+    scenario.train_steps(under_test, model.train(), torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2), 5)
     model.eval()
     trained_logits, trained_tokens = scenario.logits(model, prompt), scenario.greedy(model, prompt)
     scenario.require_adapter_changes(trained_logits, base_logits, "the trained model")
@@ -60,10 +60,10 @@ def test_trained_adapter_reloads_onto_a_fresh_4bit_base(prompt, tmp_path, adapte
     saved, trained = load_file(tmp_path / "adapter_model.safetensors"), scenario.lora_tensors(model)
     del model
     assert len(saved) == len(trained), f"the saved adapter holds {len(saved)} tensors, the trained model {len(trained)}"
-    adapter_exchange.export(tmp_path, request.config.stackcheck_versions, tiny.base_checkpoint(), base_logits,
+    adapter_exchange.export(tmp_path, request.config.stackcheck_versions, tiny.base_checkpoint(under_test.arch), base_logits,
                             trained_logits, trained_tokens)
 
-    loaded = reload_for_training(tmp_path)
+    loaded = reload_for_training(under_test, tmp_path)
 
     logits = scenario.logits(loaded, prompt)
     error = scenario.relative_error(logits, trained_logits)
@@ -75,7 +75,7 @@ def test_trained_adapter_reloads_onto_a_fresh_4bit_base(prompt, tmp_path, adapte
 # 4-bit kernels differ: seed's bitsandbytes moves the base by 0.031 against latest's (H100), and the adapter's
 # effect by 0.042, more than losing one module does.
 @pytest.mark.cpu
-def test_adapter_trained_by_the_baseline_set_reloads(prompt, adapter_exchange):
+def test_adapter_trained_by_the_baseline_set_reloads(under_test, prompt, adapter_exchange):
     """The upgrade: the adapter the baseline set trained (the test above, run by it), loaded by this set onto a
     fresh 4-bit base from the checkpoint it was trained on, changes the outputs as it did for the baseline."""
     try:
@@ -84,7 +84,7 @@ def test_adapter_trained_by_the_baseline_set_reloads(prompt, adapter_exchange):
         raise scenario.ScenarioNotReached(str(exc)) from None
     if export is None:
         pytest.skip("no baseline set in this run: the gate's candidate and a matrix's later sets load the adapter their baseline trained")
-    loaded = reload_for_training(export.adapter, export.base_checkpoint)
+    loaded = reload_for_training(under_test, export.adapter, export.base_checkpoint)
     with loaded.disable_adapter():
         base_logits = scenario.logits(loaded, prompt)
     saved = load_file(export.adapter / "adapter_model.safetensors")

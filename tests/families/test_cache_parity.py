@@ -36,13 +36,14 @@ NEW_TOKENS = 6  # prompt (8) + new tokens stays under the 16 query tokens where 
 QUANTIZATION = pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "nf4"])
 
 
-def adapted_model(quantized: bool):
+def adapted_model(under_test, quantized: bool):
     """The seed's inference setup: the base (4-bit NF4 with double quant, or the bf16 control) and the adapter."""
-    base = scenario.load_base(quantized=quantized)
+    base = scenario.load_base(under_test, quantized=quantized)
     if quantized:
         scenario.first_nested_linear4bit(base)
-    scenario.shared_kv_layers(base)
-    return scenario.peft_load(base, "language")
+    if "kv_sharing" in under_test.structures:  # the layers transformers#45242 is in
+        scenario.shared_kv_layers(base)
+    return scenario.peft_load(under_test, base, "language")
 
 
 def require_cache(output) -> None:
@@ -54,8 +55,8 @@ def assert_cache_parity(what: str, error: float) -> None:
 
 
 @QUANTIZATION
-def test_forward_without_cache_matches_cached_forward(quantized, prompt):
-    model = adapted_model(quantized)
+def test_forward_without_cache_matches_cached_forward(under_test, quantized, prompt):
+    model = adapted_model(under_test, quantized)
 
     with torch.no_grad():
         cached = model(input_ids=prompt, use_cache=True)
@@ -68,10 +69,10 @@ def test_forward_without_cache_matches_cached_forward(quantized, prompt):
 
 @QUANTIZATION
 @torch.no_grad()
-def test_generate_cached_logits_match_full_forward(quantized, prompt):
+def test_generate_cached_logits_match_full_forward(under_test, quantized, prompt):
     """`generate`'s logits, computed token by token from its cache, against one forward of the same sequence
     without a cache. Compared on one sequence, so a near-tie cannot flip it."""
-    model = adapted_model(quantized)
+    model = adapted_model(under_test, quantized)
     out = model.generate(input_ids=prompt, min_new_tokens=NEW_TOKENS, max_new_tokens=NEW_TOKENS, do_sample=False,
                          use_cache=True, output_logits=True, return_dict_in_generate=True)
     stepwise = torch.stack(out.logits, dim=1)[0].float().cpu()

@@ -11,29 +11,32 @@ Precondition proven: `Gemma4ClippableLinear` modules exist and match the broad t
 workaround, LoRA really wraps tower and language projections and changes their outputs.
 """
 
+import pytest
 import torch
 
 from stackcheck import scenario
 from stackcheck.models import tiny
 
+pytestmark = pytest.mark.needs("clippable_linear")
 
-def test_broad_targets_apply_to_gemma4_towers():
-    base = scenario.load_base()
+
+def test_broad_targets_apply_to_gemma4_towers(under_test):
+    base = scenario.load_base(under_test)
     broad = tiny.adapter_spec("broad")["target_modules"]
     clippable = scenario.clippable_linears(base)
     scenario.require(clippable, "the model has no Gemma4ClippableLinear modules")
     matched = [name for name in clippable if name.rsplit(".", 1)[-1] in broad]
     scenario.require(matched, "no Gemma4ClippableLinear module matches the broad targets")
 
-    model = scenario.peft_load(base, "broad")
+    model = scenario.peft_load(under_test, base, "broad")
 
     wrapped = scenario.lora_wrapped(model)
     for tower in ("vision_tower", "audio_tower", "language_model"):
         assert any(tower in name for name in wrapped), f"no LoRA layer in {tower}"
 
 
-def test_inner_linear_targets_change_tower_and_language_outputs(prompt):
-    model = scenario.peft_load(scenario.load_base(), "inner_linear")
+def test_inner_linear_targets_change_tower_and_language_outputs(under_test, prompt):
+    model = scenario.peft_load(under_test, scenario.load_base(under_test), "inner_linear")
     wrapped = scenario.lora_wrapped(model)
     modules = dict(model.named_modules())
 
@@ -42,7 +45,7 @@ def test_inner_linear_targets_change_tower_and_language_outputs(prompt):
         scenario.require(inner, f"the inner .linear targets matched nothing in {tower}")
         projection = modules[inner.removesuffix(".linear")]
         scenario.require(type(projection).__name__ == "Gemma4ClippableLinear", f"{inner} is not inside a Gemma4ClippableLinear")
-        x = torch.randn(2, modules[inner].in_features, dtype=torch.bfloat16, device=scenario.main_device())
+        x = torch.randn(2, modules[inner].in_features, dtype=torch.bfloat16, device=under_test.device)
         with torch.no_grad():
             adapted = projection(x)
             with model.disable_adapter():

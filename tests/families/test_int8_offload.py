@@ -49,8 +49,8 @@ def int8_layers(model) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear8bitLt)}
 
 
-def loaded_int8_layer(**load_kwargs):
-    layers = int8_layers(scenario.load_base(quantization_config=scenario.int8_config(), **load_kwargs))
+def loaded_int8_layer(under_test, **load_kwargs):
+    layers = int8_layers(scenario.load_base(under_test, quantization_config=scenario.int8_config(), **load_kwargs))
     scenario.require(layers, "the model has no bnb Linear8bitLt modules")
     name, module = next(iter(layers.items()))
     scenario.require(isinstance(module.weight, bnb.nn.Int8Params), f"{name}.weight is not Int8Params")
@@ -58,34 +58,34 @@ def loaded_int8_layer(**load_kwargs):
     return module
 
 
-def layer_input(module) -> torch.Tensor:
+def layer_input(under_test, module) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
-    return torch.randn(2, module.in_features, generator=generator).to(torch.bfloat16).to(scenario.main_device())
+    return torch.randn(2, module.in_features, generator=generator).to(torch.bfloat16).to(under_test.device)
 
 
-def test_offload_hook_moves_loaded_int8_param_to_meta():
-    scenario.assert_offload_hook_moves_weight_to_meta(loaded_int8_layer())
+def test_offload_hook_moves_loaded_int8_param_to_meta(under_test):
+    scenario.assert_offload_hook_moves_weight_to_meta(loaded_int8_layer(under_test))
 
 
-def test_offload_hook_restores_int8_weight_from_weights_map():
+def test_offload_hook_restores_int8_weight_from_weights_map(under_test):
     """What `AlignDevicesHook.pre_forward` does for an offloaded 8-bit layer: set the stored weight back, with
     its statistics."""
-    module = loaded_int8_layer()
+    module = loaded_int8_layer(under_test)
     stored, statistics = module.weight.data.clone(), module.weight.SCB.clone()
 
-    set_module_tensor_to_device(module, "weight", scenario.main_device(), value=stored, fp16_statistics=statistics)
+    set_module_tensor_to_device(module, "weight", under_test.device, value=stored, fp16_statistics=statistics)
 
     assert isinstance(module.weight, bnb.nn.Int8Params)
-    assert module.weight.device.type == scenario.main_device().type
+    assert module.weight.device.type == under_test.device.type
 
 
 @torch.no_grad()
-def test_int8_layer_computes_the_same_after_its_offload_hook_detaches():
-    module = loaded_int8_layer()
-    x = layer_input(module)
+def test_int8_layer_computes_the_same_after_its_offload_hook_detaches(under_test):
+    module = loaded_int8_layer(under_test)
+    x = layer_input(under_test, module)
     expected = module(x)
 
-    cpu_offload(module, execution_device=scenario.main_device())
+    cpu_offload(module, execution_device=under_test.device)
     scenario.require(module.weight.device.type == "meta", "the offload hook did not move the 8-bit weight to meta")
     remove_hook_from_submodules(module)
 
@@ -94,17 +94,17 @@ def test_int8_layer_computes_the_same_after_its_offload_hook_detaches():
 
 
 @pytest.mark.gpu
-def test_int8_split_base_generates_after_peft_redispatch(offload_dir, prompt):
+def test_int8_split_base_generates_after_peft_redispatch(under_test, offload_dir, prompt):
     """Seed 002's 8-bit load: the seed's split map with fp32 CPU offload, the adapter loaded under memory
     pressure, against the same adapter on the base loaded onto the GPU whole."""
-    reference = scenario.peft_load(scenario.load_base(quantization_config=scenario.int8_config(), device_map={"": 0}), "language")
+    reference = scenario.peft_load(under_test, scenario.load_base(under_test, quantization_config=scenario.int8_config(), device_map={"": 0}), "language")
     reference_logits, reference_tokens = scenario.logits(reference, prompt), scenario.greedy(reference, prompt)
     del reference
-    base = scenario.load_base(quantization_config=scenario.int8_config(fp32_cpu_offload=True),
+    base = scenario.load_base(under_test, quantization_config=scenario.int8_config(fp32_cpu_offload=True),
                               device_map=scenario.SEED_SPLIT_DEVICE_MAP)
     scenario.require(int8_layers(base), "the split base has no bnb Linear8bitLt modules")
 
-    model = scenario.peft_load(base, "language", max_memory=scenario.memory_pressure(base), offload_dir=str(offload_dir))
+    model = scenario.peft_load(under_test, base, "language", max_memory=scenario.memory_pressure(under_test, base), offload_dir=str(offload_dir))
 
     offloaded = [name for name, m in int8_layers(model).items() if m.weight.device.type == "meta"]
     scenario.require(offloaded, "PEFT's redispatch kept every 8-bit layer on the GPU")

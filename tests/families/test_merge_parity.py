@@ -19,14 +19,14 @@ from stackcheck import scenario
 RELATIVE_TOLERANCE = 0.10
 
 
-def adapter_outputs(quantized: bool, prompt):
-    base = scenario.load_base(quantized=quantized)
+def adapter_outputs(under_test, quantized: bool, prompt):
+    base = scenario.load_base(under_test, quantized=quantized)
     if quantized:
         scenario.first_nested_linear4bit(base)
     else:
         scenario.require(not scenario.linear4bit_modules(base), "the bf16 control base is quantized")
     base_logits = scenario.logits(base, prompt)
-    model = scenario.peft_load(base, "language")
+    model = scenario.peft_load(under_test, base, "language")
     adapter_logits = scenario.logits(model, prompt)
     scenario.require_adapter_changes(adapter_logits, base_logits, "the language model")
     return model, base_logits, adapter_logits, scenario.greedy(model, prompt)
@@ -40,21 +40,21 @@ def assert_merge_parity(label, merged, prompt, base_logits, adapter_logits, adap
     assert tokens == adapter_tokens, f"{label} merge diverges: greedy tokens {tokens} != adapter's {adapter_tokens}"
 
 
-def test_merge_into_4bit_base_reproduces_adapter_outputs(prompt):
-    model, base_logits, adapter_logits, adapter_tokens = adapter_outputs(True, prompt)
+def test_merge_into_4bit_base_reproduces_adapter_outputs(under_test, prompt):
+    model, base_logits, adapter_logits, adapter_tokens = adapter_outputs(under_test, True, prompt)
     merged = model.merge_and_unload()
     assert_merge_parity("4-bit", merged, prompt, base_logits, adapter_logits, adapter_tokens)
 
 
-def test_merge_into_bf16_base_reproduces_adapter_outputs(prompt):
+def test_merge_into_bf16_base_reproduces_adapter_outputs(under_test, prompt):
     """The control: a failure here is a new_failure, since the seed's bf16 merge restores parity."""
-    model, base_logits, adapter_logits, adapter_tokens = adapter_outputs(False, prompt)
+    model, base_logits, adapter_logits, adapter_tokens = adapter_outputs(under_test, False, prompt)
     merged = model.merge_and_unload()
     assert_merge_parity("bf16", merged, prompt, base_logits, adapter_logits, adapter_tokens)
 
 
-def test_dequantize_then_merge_reproduces_adapter_outputs(prompt):
-    model, base_logits, adapter_logits, adapter_tokens = adapter_outputs(True, prompt)
+def test_dequantize_then_merge_reproduces_adapter_outputs(under_test, prompt):
+    model, base_logits, adapter_logits, adapter_tokens = adapter_outputs(under_test, True, prompt)
     model.dequantize()
     scenario.require(not scenario.linear4bit_modules(model), "dequantize() left bnb Linear4bit modules in place")
     merged = model.merge_and_unload()

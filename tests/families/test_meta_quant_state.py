@@ -19,8 +19,8 @@ from accelerate.utils import set_module_tensor_to_device
 from stackcheck import scenario
 
 
-def test_state_dict_after_accelerate_offload_to_meta():
-    name, module = scenario.first_nested_linear4bit(scenario.load_base())
+def test_state_dict_after_accelerate_offload_to_meta(under_test):
+    name, module = scenario.first_nested_linear4bit(scenario.load_base(under_test))
 
     set_module_tensor_to_device(module, "weight", "meta")  # AlignDevicesHook.init_hook's own call
     scenario.require("meta" in scenario.quant_state_devices(module), f"{name}'s quant state stayed off meta")
@@ -30,24 +30,25 @@ def test_state_dict_after_accelerate_offload_to_meta():
     assert any(key.endswith("quant_state.bitsandbytes__nf4") for key in state)
 
 
-def test_peft_load_on_split_4bit_base_under_memory_pressure(offload_dir, prompt):
+def test_peft_load_on_split_4bit_base_under_memory_pressure(under_test, offload_dir, prompt):
     """The seed's call, with the main device's budget cut so PEFT's redispatch must offload 4-bit layers.
     On the GPU lane the base is the seed's own split load, and the reference is the all-GPU run."""
-    reference = scenario.greedy(scenario.peft_load(scenario.load_base(), "language"), prompt)
-    base = scenario.split_base(offload_dir / "base")
-    pressure = scenario.memory_pressure(base)
+    reference = scenario.greedy(scenario.peft_load(under_test, scenario.load_base(under_test), "language"), prompt)
+    base = scenario.split_base(under_test, offload_dir / "base")
+    pressure = scenario.memory_pressure(under_test, base)
 
-    model = scenario.peft_load(base, "language", max_memory=pressure, offload_dir=str(offload_dir / "peft"))
-    scenario.require_offloaded_linear4bit(model, scenario.offload_device(scenario.main_device()))
+    model = scenario.peft_load(under_test, base, "language", max_memory=pressure, offload_dir=str(offload_dir / "peft"))
+    scenario.require_offloaded_linear4bit(model, scenario.offload_device(under_test.device))
 
     assert scenario.greedy(model, prompt) == reference
 
 
-def test_offloaded_4bit_layer_forward(offload_dir, prompt):
+def test_offloaded_4bit_layer_forward(under_test, offload_dir, prompt):
     """A 4-bit layer dispatched to the offload device must come back with its quant state at forward."""
-    reference = scenario.greedy(scenario.load_base(), prompt)
+    reference = scenario.greedy(scenario.load_base(under_test), prompt)
 
-    model = scenario.dispatch_with_offload(scenario.load_base(), offload_dir, "model.language_model.layers.5.mlp")
-    scenario.require_offloaded_linear4bit(model, scenario.offload_device(scenario.main_device()))
+    base = scenario.load_base(under_test)
+    model = scenario.dispatch_with_offload(under_test, base, offload_dir, scenario.last_layer_4bit_block(base))
+    scenario.require_offloaded_linear4bit(model, scenario.offload_device(under_test.device))
 
     assert scenario.greedy(model, prompt) == reference

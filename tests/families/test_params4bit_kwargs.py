@@ -18,23 +18,23 @@ from accelerate.utils import set_module_tensor_to_device
 from stackcheck import scenario
 
 
-def loaded_param4bit_module():
-    name, module = scenario.first_nested_linear4bit(scenario.load_base())
+def loaded_param4bit_module(under_test):
+    name, module = scenario.first_nested_linear4bit(scenario.load_base(under_test))
     scenario.require_hf_initialized(name, module.weight)
     return module
 
 
-def test_offload_hook_moves_loaded_param_to_meta():
-    scenario.assert_offload_hook_moves_weight_to_meta(loaded_param4bit_module())
+def test_offload_hook_moves_loaded_param_to_meta(under_test):
+    scenario.assert_offload_hook_moves_weight_to_meta(loaded_param4bit_module(under_test))
 
 
-def test_offload_hook_restores_weight_from_weights_map():
+def test_offload_hook_restores_weight_from_weights_map(under_test):
     """What `AlignDevicesHook.pre_forward` does for an offloaded layer: set the stored weight back."""
-    module = loaded_param4bit_module()
+    module = loaded_param4bit_module(under_test)
     stored = module.weight.data.clone()
 
-    set_module_tensor_to_device(module, "weight", scenario.main_device(), value=stored)
+    set_module_tensor_to_device(module, "weight", under_test.device, value=stored)
 
     assert isinstance(module.weight, bnb.nn.Params4bit)
     assert module.weight.quant_state is not None
-    assert module.weight.device.type == scenario.main_device().type
+    assert module.weight.device.type == under_test.device.type

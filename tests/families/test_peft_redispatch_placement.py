@@ -49,25 +49,25 @@ def as_peft_model_keys(base_map: dict) -> dict:
     return {"base_model.model" + (f".{key}" if key else ""): device for key, device in base_map.items()}
 
 
-def cpu_only_host_default() -> dict:
+def cpu_only_host_default(under_test) -> dict:
     """No placement kwargs, as the seed user loaded. In the CPU lane PEFT is handed the budget it finds by
     itself on a host without a GPU (accelerate's `get_max_memory()`: the free RAM), because on a GPU host it
     would also count the GPUs, and the CPU lane's verdict must not depend on them."""
-    if scenario.main_device().type != "cpu":
+    if under_test.device.type != "cpu":
         return {}
     from accelerate.utils import get_max_memory
 
     return {"max_memory": {"cpu": get_max_memory()["cpu"]}}
 
 
-def redispatched_by_peft(quantized: bool, offload_dir, keep_base_map: bool = False):
+def redispatched_by_peft(under_test, quantized: bool, offload_dir, keep_base_map: bool = False):
     """(the split base's placement, the model PEFT returned, the base's hf_device_map)."""
-    base = scenario.split_base(offload_dir / "base", quantized=quantized)
+    base = scenario.split_base(under_test, offload_dir / "base", quantized=quantized)
     base_map, before = dict(getattr(base, "hf_device_map", {})), placement(base)
     scenario.require(len(set(before.values())) > 1, f"the split base sits in one place: {base_map}")
-    placement_kwargs = {"device_map": as_peft_model_keys(base_map)} if keep_base_map else cpu_only_host_default()
+    placement_kwargs = {"device_map": as_peft_model_keys(base_map)} if keep_base_map else cpu_only_host_default(under_test)
 
-    model = scenario.peft_load(base, "language", offload_dir=str(offload_dir / "peft"), **placement_kwargs)
+    model = scenario.peft_load(under_test, base, "language", offload_dir=str(offload_dir / "peft"), **placement_kwargs)
 
     scenario.require(model.__dict__.get("hf_device_map"), "PEFT did not redispatch the split base")
     return before, model, base_map
@@ -83,10 +83,10 @@ QUANTIZATION = pytest.mark.parametrize("quantized", [False, True], ids=["bf16", 
 
 @QUANTIZATION
 @pytest.mark.parametrize("keep_base_map", [False, True], ids=["no_placement_kwargs", "prefixed_base_map"])
-def test_peft_load_keeps_the_base_placement(quantized, keep_base_map, offload_dir):
+def test_peft_load_keeps_the_base_placement(under_test, quantized, keep_base_map, offload_dir):
     """Without placement kwargs, as the seed user loaded; and the control, the base's map handed to PEFT in
     its own module names, which must keep it."""
-    before, model, base_map = redispatched_by_peft(quantized, offload_dir, keep_base_map)
+    before, model, base_map = redispatched_by_peft(under_test, quantized, offload_dir, keep_base_map)
 
     after = placement(model)
 
@@ -97,9 +97,9 @@ def test_peft_load_keeps_the_base_placement(quantized, keep_base_map, offload_di
 @pytest.mark.gpu
 @pytest.mark.gpus(2)
 @QUANTIZATION
-def test_peft_load_uses_no_gpu_outside_the_base_map(quantized, offload_dir):
+def test_peft_load_uses_no_gpu_outside_the_base_map(under_test, quantized, offload_dir):
     """Seed 001's second GPU: the base maps nothing to cuda:1, so nothing may land there."""
-    before, model, base_map = redispatched_by_peft(quantized, offload_dir)
+    before, model, base_map = redispatched_by_peft(under_test, quantized, offload_dir)
     mapped = {f"cuda:{device}" for device in base_map.values() if isinstance(device, int)}
 
     after = placement(model)

@@ -12,15 +12,19 @@ Precondition proven: the fixture really has an audio tower (and vision tower) wh
 requested implementation would have to cover.
 """
 
+import pytest
+
 from stackcheck import scenario
 from stackcheck.models import tiny
 
+pytestmark = pytest.mark.needs("vision_tower", "audio_tower")
 
-def test_seed_load_kwargs_with_sdpa_load_and_generate(prompt):
-    config = tiny.tiny_config()
+
+def test_seed_load_kwargs_with_sdpa_load_and_generate(under_test, prompt):
+    config = tiny.tiny_config(under_test.arch)
     scenario.require(config.audio_config is not None and config.vision_config is not None, "the fixture has no audio/vision tower")
 
-    model = scenario.load_base(attn_implementation="sdpa")
+    model = scenario.load_base(under_test, attn_implementation="sdpa")
 
     assert model.config.text_config._attn_implementation == "sdpa"
     assert len(scenario.greedy(model, prompt)) > 0

@@ -23,10 +23,12 @@ from transformers import Gemma4ForConditionalGeneration
 from stackcheck import scenario
 from stackcheck.models import tiny
 
+pytestmark = pytest.mark.needs("vision_tower", "audio_tower")
 
-def test_seed_device_map_names_existing_modules():
+
+def test_seed_device_map_names_existing_modules(under_test):
     with torch.device("meta"):
-        model = Gemma4ForConditionalGeneration(tiny.tiny_config())
+        model = Gemma4ForConditionalGeneration(tiny.tiny_config(under_test.arch))
 
     missing = scenario.missing_device_map_keys(model, scenario.SEED_USER_DEVICE_MAP)
 
@@ -34,13 +36,13 @@ def test_seed_device_map_names_existing_modules():
 
 
 @pytest.mark.gpu
-def test_all_gpu_4bit_peft_generate(prompt):
+def test_all_gpu_4bit_peft_generate(under_test, prompt):
     """Seed 001's working setup: everything on GPU 0, 4-bit NF4 with double quant, adapter, generate."""
-    base = scenario.load_base(device_map={"": 0})
+    base = scenario.load_base(under_test, device_map={"": 0})
     scenario.first_nested_linear4bit(base)
     base_logits = scenario.logits(base, prompt)
 
-    model = scenario.peft_load(base, "language")
+    model = scenario.peft_load(under_test, base, "language")
 
     scenario.require_adapter_changes(scenario.logits(model, prompt), base_logits, "the language model")
     assert len(scenario.greedy(model, prompt)) == 6
@@ -48,11 +50,11 @@ def test_all_gpu_4bit_peft_generate(prompt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("double_quant", [True, False], ids=["double_quant", "single_quant"])
-def test_seed_split_map_loads_and_generates(double_quant, offload_dir, prompt):
+def test_seed_split_map_loads_and_generates(under_test, double_quant, offload_dir, prompt):
     """The seed's split map without PEFT: the towers on the CPU must not change text generation."""
-    all_gpu_tokens = scenario.greedy(scenario.load_base(double_quant=double_quant, device_map={"": 0}), prompt)
+    all_gpu_tokens = scenario.greedy(scenario.load_base(under_test, double_quant=double_quant, device_map={"": 0}), prompt)
 
-    model = scenario.split_base(offload_dir, double_quant=double_quant)
+    model = scenario.split_base(under_test, offload_dir, double_quant=double_quant)
 
     for tower in ("model.vision_tower", "model.audio_tower"):
         scenario.require(model.hf_device_map.get(tower) == "cpu", f"{tower} is not on the CPU: {model.hf_device_map}")

@@ -23,17 +23,19 @@ import torch
 
 from stackcheck import scenario
 
+pytestmark = pytest.mark.needs("kv_sharing")
+
 QUANTIZATION = pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "nf4"])
 
 
-def assert_redispatched_generation_matches_undispatched(quantized, prompt, offload_dir, redispatch_options) -> None:
+def assert_redispatched_generation_matches_undispatched(under_test, quantized, prompt, offload_dir, redispatch_options) -> None:
     """`redispatch_options(base)` gives the PEFT load kwargs that make it redispatch the split base."""
-    undispatched = scenario.peft_load(scenario.load_base(quantized=quantized), "language")
+    undispatched = scenario.peft_load(under_test, scenario.load_base(under_test, quantized=quantized), "language")
     reference_logits, reference_tokens = scenario.logits(undispatched, prompt), scenario.greedy(undispatched, prompt)
     del undispatched
-    base = scenario.split_base(offload_dir / "base", quantized=quantized)
+    base = scenario.split_base(under_test, offload_dir / "base", quantized=quantized)
 
-    model = scenario.peft_load(base, "language", offload_dir=str(offload_dir / "peft"), **redispatch_options(base))
+    model = scenario.peft_load(under_test, base, "language", offload_dir=str(offload_dir / "peft"), **redispatch_options(base))
     layers, shared = scenario.shared_kv_layers(model)
     scenario.require(all(hasattr(layer, "_hf_hook") for layer in layers), "PEFT's redispatch left decoder layers unhooked")
     crossings = []
@@ -49,16 +51,17 @@ def assert_redispatched_generation_matches_undispatched(quantized, prompt, offlo
 
 
 @QUANTIZATION
-def test_generate_after_peft_redispatch_matches_undispatched(quantized, offload_dir, prompt):
+def test_generate_after_peft_redispatch_matches_undispatched(under_test, quantized, offload_dir, prompt):
     assert_redispatched_generation_matches_undispatched(
-        quantized, prompt, offload_dir, lambda base: {"max_memory": scenario.memory_pressure(base)}
+        under_test, quantized, prompt, offload_dir, lambda base: {"max_memory": scenario.memory_pressure(under_test, base)}
     )
 
 
 @pytest.mark.gpu
 @QUANTIZATION
-def test_generate_after_peft_load_with_base_device_map_matches_all_gpu(quantized, offload_dir, prompt):
+def test_generate_after_peft_load_with_base_device_map_matches_all_gpu(under_test, quantized, offload_dir, prompt):
     """Seed 001's variant: the base's own device map handed to PEFT, no memory pressure."""
     assert_redispatched_generation_matches_undispatched(
+        under_test, 
         quantized, prompt, offload_dir, lambda base: {"device_map": base.hf_device_map}
     )

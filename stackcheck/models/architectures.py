@@ -1,0 +1,265 @@
+"""The architectures the families run on, and the one rule that shrinks a `config.json` to a tiny model of the
+same structure.
+
+Built in: every `fixtures/architectures/<name>.json`, a full-size config written from the model's published
+`config.json` (each cites its source), shrunk by `shrink`; and `gemma4`, the seed's tiny Gemma 4
+(`fixtures/tiny_gemma4.json`), kept as written so that the verdicts measured on it stay what they were
+(`shrink` of `fixtures/gemma4-*/config.json` gives a model of the same module classes: tests/harness).
+A user's own `config.json` is shrunk by the same rule. Adding an architecture is one config file.
+
+What decides code paths is kept: the model class, the layer-type pattern (one period of it), grouped KV heads,
+tied embeddings, fused projections (the class decides them), more experts than `top_k`, KV sharing, towers,
+rope scaling. Only sizes shrink. Widths are multiples of 64, so bitsandbytes' packed CPU path (which rejects
+widths that are not multiples of 32 or of its 64 blocksize) is reached or not for the same reason everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from stackcheck.models.tiny import FIXTURES_DIR
+
+ARCHITECTURES_DIR = FIXTURES_DIR / "architectures"
+SEED_ARCHITECTURE = "gemma4"
+SEED_TINY_CONFIG = FIXTURES_DIR / "tiny_gemma4.json"
+
+VOCAB = 256  # the prompt's token ids reach 247
+HIDDEN, HEAD_DIM, HEADS = 128, 64, 2
+INTERMEDIATE, EXPERT_INTERMEDIATE = 256, 128
+EXPERTS, EXPERTS_PER_TOKEN = 4, 2
+TOWER_HIDDEN, TOWER_INTERMEDIATE, TOWER_HEAD_DIM = 64, 128, 32
+SLIDING_WINDOW = 16  # as the seed's tiny Gemma 4: the prompt and its generation stay under it
+# Sizes the rule sets, by key. Any other integer key that names a size and exceeds these is a structure the rule
+# does not know: the config cannot be shrunk (refused, never built at full size).
+TEXT_SIZES = {
+    "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
+    "head_dim": HEAD_DIM, "global_head_dim": HEAD_DIM, "hidden_size_per_layer_input": 64,
+    "moe_intermediate_size": EXPERT_INTERMEDIATE, "shared_expert_intermediate_size": EXPERT_INTERMEDIATE,
+}
+TOWER_SIZES = {"hidden_size": TOWER_HIDDEN, "intermediate_size": TOWER_INTERMEDIATE, "head_dim": TOWER_HEAD_DIM,
+               "global_head_dim": TOWER_HEAD_DIM, "output_proj_dims": TOWER_HIDDEN, "position_embedding_size": 64,
+               "subsampling_conv_channels": [8, 4]}  # the seed's tiny Gemma 4 towers
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "top_k", "experts_per_token")
+SIZE_KEY = re.compile(r".*(size|dim|dims|rank|features|channels|experts)$")
+LARGEST_UNSHRUNK_SIZE = 256
+TOWER_KEYS = ("vision_config", "audio_config")
+# The structures a family can need (`pytest.mark.needs`), read off a built config by `structures`.
+STRUCTURES = ("vision_tower", "audio_tower", "clippable_linear", "kv_sharing", "experts", "tied_embeddings", "sliding_window")
+
+
+class ArchitectureError(Exception):
+    """An architecture that cannot be run: an unknown name, a config that is not JSON or cannot be shrunk."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    source: str  # where the config came from: a built-in fixture or the user's file
+    config: dict  # the tiny config.json, `model_type` and `architectures` included
+
+    @property
+    def model_type(self) -> str:
+        return self.config["model_type"]
+
+    @property
+    def model_class(self) -> str:
+        """The transformers class `from_pretrained` loads, as the config names it."""
+        return (self.config.get("architectures") or ["AutoModelForCausalLM"])[0]
+
+    def digest_text(self) -> str:
+        return json.dumps(self.config, sort_keys=True)
+
+    def __hash__(self) -> int:  # the config is a dict: hash what it says (tiny's builders are cached per architecture)
+        return hash((self.name, self.digest_text()))
+
+
+def _period(layer_types: list[str]) -> int:
+    """The length of the shortest prefix that, repeated, gives `layer_types` (at least 2 layers)."""
+    for length in range(1, len(layer_types) + 1):
+        if all(kind == layer_types[index % length] for index, kind in enumerate(layer_types)):
+            return max(length, 2)
+    return len(layer_types)
+
+
+def _remap_token_ids(config: dict, vocab: int) -> None:
+    """Token ids past the tiny vocabulary move to its top, distinct ids staying distinct."""
+    large = sorted({i for key, value in config.items() if key.endswith(("_token_id", "_token_index"))
+                    for i in (value if isinstance(value, list) else [value]) if isinstance(i, int) and i >= vocab})
+    moved = {old: vocab - 1 - rank for rank, old in enumerate(large)}
+    for key, value in config.items():
+        if key.endswith(("_token_id", "_token_index")):
+            config[key] = [moved.get(i, i) for i in value] if isinstance(value, list) else moved.get(value, value)
+
+
+def _truncate_rope_factors(rope: dict | None, rotary_half: int) -> None:
+    """longrope's per-frequency factors (Phi-3/4) have one entry per rotary frequency: keep the first ones."""
+    if not isinstance(rope, dict):
+        return
+    for key in ("short_factor", "long_factor"):
+        if isinstance(rope.get(key), list):
+            rope[key] = rope[key][:rotary_half]
+    for nested in rope.values():
+        _truncate_rope_factors(nested if isinstance(nested, dict) else None, rotary_half)
+
+
+def _shrink_text(text: dict, where: str) -> dict:
+    text = dict(text)
+    heads, kv_heads = text.get("num_attention_heads"), text.get("num_key_value_heads")
+    for key, size in TEXT_SIZES.items():
+        if key in text and text[key] is not None:
+            text[key] = size
+    if heads:
+        text["num_attention_heads"] = HEADS
+        if kv_heads:  # grouped KV heads stay grouped, multi-head stays multi-head
+            text["num_key_value_heads"] = 1 if kv_heads < heads else HEADS
+        if "head_dim" not in text:
+            text["head_dim"] = HEAD_DIM
+    if text.get("num_global_key_value_heads"):
+        text["num_global_key_value_heads"] = 1
+    layers = text.get("num_hidden_layers", 2)
+    layer_types = text.get("layer_types")
+    if layer_types:
+        period = _period(layer_types)
+    elif text.get("sliding_window_pattern"):  # Gemma 3's spelling of the layer-type pattern
+        period = int(text["sliding_window_pattern"])
+    else:
+        period = 2
+    shared = text.get("num_kv_shared_layers") or 0
+    # KV sharing: one period of layers that keep their K/V, one period that reuses them.
+    tiny_layers = 2 * period if shared else period
+    text["num_hidden_layers"] = min(layers, tiny_layers) if layers > 1 else layers
+    if shared:
+        text["num_kv_shared_layers"] = period
+    if layer_types:
+        text["layer_types"] = layer_types[: text["num_hidden_layers"]]
+    for key in ("mlp_only_layers",):
+        if isinstance(text.get(key), list):
+            text[key] = [index for index in text[key] if index < text["num_hidden_layers"]]
+    if isinstance(text.get("sliding_window"), int):
+        text["sliding_window"] = min(text["sliding_window"], SLIDING_WINDOW)
+    for key in EXPERT_COUNT_KEYS:
+        if text.get(key):
+            text[key] = EXPERTS
+    for key in EXPERTS_PER_TOKEN_KEYS:
+        if text.get(key):
+            text[key] = min(text[key], EXPERTS_PER_TOKEN)
+    rotary = text.get("head_dim", HEAD_DIM) * float(text.get("partial_rotary_factor", 1.0))
+    _truncate_rope_factors(text.get("rope_scaling"), int(rotary) // 2)
+    _truncate_rope_factors(text.get("rope_parameters"), int(rotary) // 2)
+    _remap_token_ids(text, VOCAB)
+    _refuse_unknown_sizes(text, TEXT_SIZES, where)
+    return text
+
+
+def _shrink_tower(tower: dict, where: str) -> dict:
+    tower = dict(tower)
+    for key, size in TOWER_SIZES.items():
+        if key in tower:
+            tower[key] = size
+    if "num_hidden_layers" in tower:
+        tower["num_hidden_layers"] = 1
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if key in tower:
+            tower[key] = 2
+    _refuse_unknown_sizes(tower, TOWER_SIZES, where)
+    return tower
+
+
+def _refuse_unknown_sizes(config: dict, known: dict, where: str) -> None:
+    unknown = [key for key, value in config.items() if SIZE_KEY.fullmatch(key) and key not in known
+               and isinstance(value, int) and not isinstance(value, bool) and value > LARGEST_UNSHRUNK_SIZE]
+    if unknown:
+        raise ArchitectureError(f"{where}: cannot be shrunk: the shrink rule does not know the size key(s) {', '.join(unknown)}")
+
+
+def shrink(config: dict, where: str = "config") -> dict:
+    """A full-size `config.json` -> the config of a tiny model of the same structure (see the module docstring)."""
+    if not isinstance(config.get("model_type"), str):
+        raise ArchitectureError(f"{where}: no model_type: not a transformers config.json")
+    tiny = {key: value for key, value in config.items() if not key.startswith("_")}
+    tiny.pop("quantization_config", None)  # the families choose the quantization
+    if isinstance(tiny.get("text_config"), dict):
+        tiny["text_config"] = _shrink_text(tiny["text_config"], f"{where} text_config")
+        _remap_token_ids(tiny, VOCAB)
+    else:
+        tiny = _shrink_text(tiny, where)
+    for key in TOWER_KEYS:
+        if isinstance(tiny.get(key), dict):
+            tiny[key] = _shrink_tower(tiny[key], f"{where} {key}")
+    return tiny
+
+
+def structures(config) -> frozenset[str]:
+    """The structures a built transformers config (not a dict: defaults count) has, among `STRUCTURES`."""
+    text = config.get_text_config()
+    layer_types = getattr(text, "layer_types", None) or []
+    found = {
+        "vision_tower": getattr(config, "vision_config", None) is not None,
+        "audio_tower": getattr(config, "audio_config", None) is not None,
+        "clippable_linear": any(getattr(getattr(config, key, None), "use_clipped_linears", False) for key in TOWER_KEYS),
+        "kv_sharing": bool(getattr(text, "num_kv_shared_layers", 0)),
+        "experts": any(getattr(text, key, None) for key in EXPERT_COUNT_KEYS),
+        "tied_embeddings": bool(getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)),
+        "sliding_window": "sliding_attention" in layer_types,
+    }
+    return frozenset(name for name, present in found.items() if present)
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArchitectureError(f"--arch {path}: no such file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArchitectureError(f"--arch {path}: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ArchitectureError(f"--arch {path}: not a config.json (a JSON object)")
+    return config
+
+
+def _seed_architecture() -> Architecture:
+    config = {key: value for key, value in _read_config(SEED_TINY_CONFIG).items() if not key.startswith("_")}
+    config = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], **config}
+    return Architecture(SEED_ARCHITECTURE, str(SEED_TINY_CONFIG.relative_to(FIXTURES_DIR.parent)), config)
+
+
+@cache
+def builtin() -> dict[str, Architecture]:
+    """The built-in architectures by name, the seed's first."""
+    found = {SEED_ARCHITECTURE: _seed_architecture()}
+    for path in sorted(ARCHITECTURES_DIR.glob("*.json")):
+        found[path.stem] = Architecture(path.stem, f"fixtures/architectures/{path.name}", shrink(_read_config(path), path.name))
+    return found
+
+
+def user_architecture(path: Path) -> Architecture:
+    """A user's own config.json, shrunk; named after its folder (a Hub snapshot's) or its file."""
+    stem = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
+    name = re.sub(r"\W+", "_", stem).strip("_").lower() or "custom"
+    if name in builtin():
+        name = f"{name}_custom"
+    return Architecture(name, str(path), shrink(_read_config(path), str(path)))
+
+
+def resolve(spec: str | None) -> list[Architecture]:
+    """`--arch NAME[,NAME]` or `--arch path/to/config.json`; every built-in architecture when None."""
+    if not spec:
+        return list(builtin().values())
+    chosen = []
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        if item in builtin():
+            chosen.append(builtin()[item])
+        elif item.endswith(".json") or "/" in item:
+            chosen.append(user_architecture(Path(item).expanduser().resolve()))
+        else:
+            raise ArchitectureError(f"--arch: unknown architecture '{item}' (built in: {', '.join(builtin())}; or a path to a config.json)")
+    if not chosen:
+        raise ArchitectureError("--arch: no architecture named")
+    return chosen
