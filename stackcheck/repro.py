@@ -12,6 +12,7 @@ Loaded by pytest as a plugin (`-p stackcheck.repro`), it writes a test's paramet
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -41,9 +42,12 @@ def pytest_collection_finish(session) -> None:
     if not target or len(session.items) != 1:
         return
     (item,) = session.items
-    params = {name: repr(value) for name, value in item.callspec.params.items() if name != "lane"} if hasattr(item, "callspec") else {}
+    # The lane and the architecture become the script's DEVICE and ARCH (repro_script.FIXTURE_VALUES).
+    params = {name: repr(value) for name, value in item.callspec.params.items() if name not in ("lane", "arch")} if hasattr(item, "callspec") else {}
+    arch = item.callspec.params.get("arch") if hasattr(item, "callspec") else None
     fixtures = [name for name in inspect.signature(item.function).parameters if name not in params]
-    Path(target).write_text(json.dumps({"params": params, "fixtures": fixtures}))
+    Path(target).write_text(json.dumps({"params": params, "fixtures": fixtures,
+                                        "arch": dataclasses.asdict(arch) if arch else None}, default=sorted))
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,8 @@ def export(cell: Cell, cell_set: VersionSet, python: Path, output: Path, recorde
     header = (f'"""Reproduces stackcheck cell {cell.test} on set {cell.set_name} ({cell.verdict}'
               f'{": " + cell.bug if cell.bug else ""}).\n\nExpected failure: {cell.failure}\n"""')
     try:
-        script = repro_script.build(cell.family, cell.function, wanted["params"], wanted["fixtures"], lane_of(cell.test), header)
+        script = repro_script.build(cell.family, cell.function, wanted["params"], wanted["fixtures"], lane_of(cell.test), header,
+                                    wanted["arch"])
     except repro_script.ReproUnsupported as exc:
         return Outcome(cell, folder, False, f"not exported: {exc}")
     (folder / "repro.py").write_text(script)

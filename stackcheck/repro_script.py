@@ -19,7 +19,7 @@ from pathlib import Path
 
 from stackcheck import REPO_ROOT
 
-HELPER_MODULES = ("tiny", "hostinfo", "scenario")  # in dependency order: each uses only those before it
+HELPER_MODULES = ("tiny", "architectures", "hostinfo", "scenario")  # in dependency order: each uses only those before it
 # The tiny module's file and cache plumbing, replaced by inline fixtures and a temporary folder.
 REPLACED = {
     "_fixture": '''def _fixture(name: str) -> dict:
@@ -30,7 +30,10 @@ REPLACED = {
 ''',
 }
 FIXTURE_VALUES = {
-    "prompt": "prompt()",
+    "prompt": "prompt(DEVICE)",
+    "device": "DEVICE",
+    "arch": "ARCH",
+    "under_test": "UnderTest(ARCH, DEVICE)",
     "offload_dir": "Path(tempfile.mkdtemp()) / 'offload'",
     "tmp_path": "Path(tempfile.mkdtemp())",
 }
@@ -51,7 +54,8 @@ class ReproUnsupported(Exception):
 
 
 # Where each helper module lives, by the name the families call it through.
-HELPER_PATHS = {"tiny": "stackcheck/models/tiny.py", "hostinfo": "stackcheck/hostinfo.py", "scenario": "stackcheck/scenario.py"}
+HELPER_PATHS = {"tiny": "stackcheck/models/tiny.py", "architectures": "stackcheck/models/architectures.py",
+                "hostinfo": "stackcheck/hostinfo.py", "scenario": "stackcheck/scenario.py"}
 
 
 def _module_path(module: str) -> Path:
@@ -118,8 +122,10 @@ def _unqualify(text: str) -> str:
     return re.sub(rf"\b(?:{'|'.join(HELPER_MODULES)})\.(?=\w)", "", text)
 
 
-def build(family: str, test_name: str, params: dict[str, str], fixtures: list[str], lane: str, header: str) -> str:
-    """repro.py for `test_name` of `family`; `params` maps each parameter to the repr of its value."""
+def build(family: str, test_name: str, params: dict[str, str], fixtures: list[str], lane: str, header: str,
+          arch: dict | None = None) -> str:
+    """repro.py for `test_name` of `family`; `params` maps each parameter to the repr of its value; `arch` is the
+    architecture under test's fields (`Architecture`), written into the script as ARCH."""
     missing = [f for f in fixtures if f not in FIXTURE_VALUES]
     if missing:
         raise ReproUnsupported(f"{test_name} uses fixtures a standalone script cannot stand in for: {', '.join(missing)}")
@@ -127,7 +133,8 @@ def build(family: str, test_name: str, params: dict[str, str], fixtures: list[st
     sources["family"] = _Source(REPO_ROOT / "tests" / "families" / f"test_{family}.py")
     if test_name not in sources["family"].definitions:
         raise ReproUnsupported(f"test_{family}.py has no function {test_name}")
-    roots = [("family", test_name), ("scenario", "use_lane")] + [("scenario", "prompt")] * ("prompt" in fixtures)
+    roots = [("family", test_name), ("scenario", "lane_device")] + [("scenario", "prompt")] * ("prompt" in fixtures)
+    roots += [("architectures", "Architecture"), ("scenario", "UnderTest")] * (arch is not None)
     definitions = _closure(sources, roots, test_name)
     clashes = sorted({n for _m, n in definitions if sum(n == other for _o, other in definitions) > 1})
     if clashes:
@@ -168,8 +175,11 @@ def build(family: str, test_name: str, params: dict[str, str], fixtures: list[st
     inline = (f"FIXTURES = {pprint.pformat(fixtures_data, width=110, sort_dicts=False)}\n"
               'CACHE = Path(tempfile.mkdtemp(prefix="repro-tiny-"))  # where the tiny checkpoints are built\n\n') if uses_tiny else ""
     arguments = [f"{p}={value}" for p, value in params.items()] + [f"{f}={FIXTURE_VALUES[f]}" for f in fixtures]
-    main = f'''def main():
-    use_lane({lane!r})
+    arch_line = f"ARCH = Architecture(**{pprint.pformat(arch, width=110, sort_dicts=False)})\n" if arch else ""
+    main = f'''DEVICE = lane_device({lane!r})
+{arch_line}
+
+def main():
     {test_name}({", ".join(arguments)})
 
 

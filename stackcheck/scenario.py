@@ -47,7 +47,10 @@ class UnderTest:
 
     @cached_property
     def structures(self) -> frozenset[str]:
-        return architectures.structures(tiny.tiny_config(self.arch))
+        found = architectures.structures(tiny.tiny_config(self.arch))
+        if self.arch.declared is not None and found != self.arch.declared:
+            raise tiny.FixtureError(f"the tiny {self.arch.name} has the structures {sorted(found)}, its config declares {sorted(self.arch.declared)}")
+        return found
 
     def require_structures(self, needed: Iterable[str]) -> None:
         """A test whose bug lives in structures this architecture lacks cannot exist on it: not applicable."""
@@ -310,17 +313,23 @@ def towers_offloaded_base(under_test: UnderTest, offload_dir: Path):
 
 
 def memory_pressure(under_test: UnderTest, model, fraction: float = 0.5) -> dict:
-    """A `max_memory` whose main-device budget holds only `fraction` of the model, forcing the rest off it:
-    the seed user's 12 GB GPU, reproduced on any device. On a GPU the CPU gets room for the overflow, as the
-    user's did; without a CPU budget accelerate would send it to disk."""
-    from accelerate.utils import compute_module_sizes, get_max_memory
+    """A `max_memory` whose main-device budget holds only part of the model, forcing the rest off it: the seed
+    user's 12 GB GPU, reproduced on any device. The budget is `fraction` of the model, or the least above it
+    that accelerate's own `infer_auto_device_map` (as PEFT's redispatch calls it) still fills with something:
+    below "the first module and the largest layer", accelerate maps the whole model to disk (`{"": "disk"}`,
+    which accelerate 1.15 then fails to dispatch, and < 1.15 refuses), a scenario no user plans. On a GPU the
+    CPU gets room for the overflow, as the user's did; without a CPU budget accelerate would send it to disk."""
+    from accelerate.utils import compute_module_sizes, get_max_memory, infer_auto_device_map
 
-    main = under_test.device
-    budget = {device_key(main): int(compute_module_sizes(model)[""] * fraction)}
-    if main.type == "cuda":
-        budget["cpu"] = get_max_memory()["cpu"]
-    return budget
-
+    main, size = under_test.device, compute_module_sizes(model)[""]
+    for share in (fraction, *(step / 10 for step in range(int(fraction * 10) + 1, 10))):
+        budget = {device_key(main): int(size * share)}
+        if main.type == "cuda":
+            budget["cpu"] = get_max_memory()["cpu"]
+        placed = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=model._no_split_modules)
+        if any(device != "disk" for device in placed.values()):
+            return budget
+    raise ScenarioNotReached(f"no budget under the whole model keeps part of it on {main}")
 
 def peft_load(under_test: UnderTest, base, adapter: str | Path, **kwargs):
     """`PeftModel.from_pretrained` with the name of an adapter fixture of the architecture, or an adapter directory."""

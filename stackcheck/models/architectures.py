@@ -61,6 +61,9 @@ class Architecture:
     name: str
     source: str  # where the config came from: a built-in fixture or the user's file
     config: dict  # the tiny config.json, `model_type` and `architectures` included
+    # What a built-in config says it has (its "_structures" key), checked against what the tiny model has, so
+    # that a broken fixture errors instead of turning its cells not_applicable; None for a user's config.
+    declared: frozenset[str] | None = None
 
     @property
     def model_type(self) -> str:
@@ -222,10 +225,15 @@ def _read_config(path: Path) -> dict:
     return config
 
 
+def _declared(config: dict) -> frozenset[str]:
+    return frozenset(config.get("_structures", ()))
+
+
 def _seed_architecture() -> Architecture:
-    config = {key: value for key, value in _read_config(SEED_TINY_CONFIG).items() if not key.startswith("_")}
+    written = _read_config(SEED_TINY_CONFIG)
+    config = {key: value for key, value in written.items() if not key.startswith("_")}
     config = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], **config}
-    return Architecture(SEED_ARCHITECTURE, str(SEED_TINY_CONFIG.relative_to(FIXTURES_DIR.parent)), config)
+    return Architecture(SEED_ARCHITECTURE, str(SEED_TINY_CONFIG.relative_to(FIXTURES_DIR.parent)), config, _declared(written))
 
 
 @cache
@@ -233,7 +241,8 @@ def builtin() -> dict[str, Architecture]:
     """The built-in architectures by name, the seed's first."""
     found = {SEED_ARCHITECTURE: _seed_architecture()}
     for path in sorted(ARCHITECTURES_DIR.glob("*.json")):
-        found[path.stem] = Architecture(path.stem, f"fixtures/architectures/{path.name}", shrink(_read_config(path), path.name))
+        full = _read_config(path)
+        found[path.stem] = Architecture(path.stem, f"fixtures/architectures/{path.name}", shrink(full, path.name), _declared(full))
     return found
 
 

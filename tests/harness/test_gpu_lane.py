@@ -21,12 +21,12 @@ def collected(*args: str) -> list[str]:
 
 def test_family_tests_run_in_both_lanes_and_gpu_tests_in_the_gpu_lane_only():
     ids = collected("tests/families/test_seed_scenario.py", "tests/families/test_params4bit_kwargs.py")
-    assert "tests/families/test_params4bit_kwargs.py::test_offload_hook_moves_loaded_param_to_meta[cpu]" in ids
-    assert "tests/families/test_params4bit_kwargs.py::test_offload_hook_moves_loaded_param_to_meta[gpu]" in ids
-    assert "tests/families/test_seed_scenario.py::test_all_gpu_4bit_peft_generate[gpu]" in ids
+    assert "tests/families/test_params4bit_kwargs.py::test_offload_hook_moves_loaded_param_to_meta[cpu-gemma4]" in ids
+    assert "tests/families/test_params4bit_kwargs.py::test_offload_hook_moves_loaded_param_to_meta[gpu-gemma4]" in ids
+    assert "tests/families/test_seed_scenario.py::test_all_gpu_4bit_peft_generate[gpu-gemma4]" in ids
     assert not any("test_all_gpu_4bit_peft_generate[cpu" in i for i in ids)
     assert collected("-m", "not gpu", "tests/families/test_seed_scenario.py") == [
-        "tests/families/test_seed_scenario.py::test_seed_device_map_names_existing_modules[cpu]"
+        "tests/families/test_seed_scenario.py::test_seed_device_map_names_existing_modules[cpu-gemma4]"
     ]
 
 

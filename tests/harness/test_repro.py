@@ -13,7 +13,7 @@ from stackcheck.ledger import Ledger
 from stackcheck.versions import default_set, installed_versions
 from tests.harness.test_usage_errors import one_usage_line
 
-CELL_TEST = "tests/families/test_params4bit_kwargs.py::test_offload_hook_moves_loaded_param_to_meta[cpu]"
+CELL_TEST = "tests/families/test_params4bit_kwargs.py::test_offload_hook_moves_loaded_param_to_meta[cpu-gemma4]"
 SIGNATURE = ("TypeError: Params4bit.__new__() got an unexpected keyword argument '_is_hf_initialized' "
              "@ accelerate/utils/modeling.py:set_module_tensor_to_device")
 
