@@ -14,6 +14,7 @@ from stackcheck.releases import bisect, history
 from stackcheck.releases import watch as watch_module
 from stackcheck.lane import CPU_LANE, bench_set, check_ledger, record_unbuildable, run_pytest
 from stackcheck.ledger import LedgerError
+from stackcheck.progress import Progress
 from stackcheck.models import architectures
 from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
 
@@ -248,6 +249,7 @@ def run_matrix(args) -> int:
     lanes = ["gpu", "cpu"] if gpu else ["cpu"]
     args.results.parent.mkdir(parents=True, exist_ok=True)
     failed = []
+    tracker = Progress(args.command, len(sets), "set")
     for vset in sets:
         started = time.monotonic()
         print(f"== set {vset.name}: {', '.join(f'{k} {v}' for k, v in vset.pins.items())}", flush=True)
@@ -257,13 +259,15 @@ def run_matrix(args) -> int:
         except envs.EnvBuildError as exc:
             record_unbuildable(args.results, vset, str(exc))
             failed.append(vset.name)
+            tracker.finished(vset.name, 0)
             continue
         results.forget_cells(args.results, vset.name, lanes)  # a re-run replaces the set's cells in these lanes
         lane_started = time.monotonic()
         selection = [] if gpu else [CPU_LANE]
         # Every set after the first loads the adapter the first one trained (stackcheck.exchange).
         code = run_pytest(python, vset, ["tests/families"], ["-q", *selection, *arch_option(args), *args.pytest_args],
-                          args.results, sets[0].name)
+                          args.results, sets[0].name, tracker.env())
+        tracker.finished(vset.name, sum(1 for c in results.load(args.results)["cells"] if c["set"] == vset.name and c["lane"] in lanes))
         if code == 4:  # pytest's usage error: it printed the reason (a bad pytest argument, or the ledger)
             raise UsageError(f"set {vset.name}: pytest refused the run (its ERROR line above)")
         print(f"== set {vset.name}: pytest exit {code}, {'+'.join(lanes)} lanes {time.monotonic() - lane_started:.1f} s, "

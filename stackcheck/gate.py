@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from stackcheck import REPO_ROOT, bench_compare, lane, results
 from stackcheck.ledger import ERROR, FIXED, NEW_FAILURE, NOT_AFFECTED, PASS
+from stackcheck.progress import Progress
 from stackcheck.versions import PACKAGES, UsageError, default_set, resolve
 
 DEFAULT_OUTPUT = REPO_ROOT / "results" / "gate"
@@ -142,10 +143,12 @@ def run(args) -> int:
     targets = lane.family_targets([f for f in (args.families or "").split(",") if f] or None)
     matrix = args.output / "matrix.json"
     matrix.unlink(missing_ok=True)  # the comparison reads this run's cells only
+    tracker = Progress("gate", 2, "set")
     for vset in (baseline, candidate):
         print(f"== gate: {vset.name}", flush=True)
         # The candidate loads the adapter the baseline trained, as a user does after upgrading.
-        lane.run(vset, targets, matrix, args.find_links, args.no_index, baseline=baseline.name)
+        cells = lane.run(vset, targets, matrix, args.find_links, args.no_index, baseline=baseline.name, env=tracker.env())
+        tracker.finished(vset.name, len(cells))
     data = results.load(matrix)
     before, after = one_set(data, baseline.name), one_set(data, candidate.name)
     if args.bench:

@@ -41,7 +41,8 @@ def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[s
     """`baseline`: the set of this run whose trained adapter this set loads (stackcheck.exchange); `env`:
     variables added to the process's environment."""
     # A family module that fails to import gets error cells; the other families still run.
-    command = [str(python), "-m", "pytest", *targets, f"--stackcheck-set={vset.name}", "--continue-on-collection-errors", *extra]
+    command = [str(python), "-m", "pytest", *targets, f"--stackcheck-set={vset.name}", "--continue-on-collection-errors",
+               "-p", "stackcheck.progress_plugin", *extra]
     if results_path:
         command.append(f"--stackcheck-results={results_path}")
     if baseline:
@@ -128,10 +129,10 @@ def family_test(text: str) -> TestId:
 
 
 def run(vset: VersionSet, targets: list[str], results_path: Path, find_links=(), no_index: bool = False,
-        baseline: str | None = None) -> list[dict]:
+        baseline: str | None = None, env: dict[str, str] | None = None) -> list[dict]:
     """Run `targets` for `vset` on the CPU lane into results_path and return its cells. An environment
     that cannot be built gets an `error` cell in every family instead, as in the matrix."""
-    return run_timed(vset, targets, results_path, find_links, no_index, baseline)[0]
+    return run_timed(vset, targets, results_path, find_links, no_index, baseline, env=env)[0]
 
 
 def run_timed(vset: VersionSet, targets: list[str], results_path: Path, find_links=(), no_index: bool = False,

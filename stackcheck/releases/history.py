@@ -27,6 +27,7 @@ from pathlib import Path
 from stackcheck import REPO_ROOT, envs, lane, results
 from stackcheck.ledger import SEVERITY, Ledger, Verdict, family_modules
 from stackcheck.releases.bisect import Candidate, observed, release_candidates, version_option
+from stackcheck.progress import Progress
 from stackcheck.releases.probes import DEFAULT_STORE, Probe, Prober, ProbeStore
 from stackcheck.versions import PACKAGES, UsageError, VersionSet, default_set, index_versions, parse_pin, resolve
 
@@ -308,6 +309,7 @@ def sweep_releases(prober: Prober, sets: dict[str, VersionSet], families: list[s
     if not todo:
         return [(label, found.get(label)) for label in sets]
     started = time.monotonic()
+    tracker = Progress("history", len(todo), "probe")
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="build") as builders, \
             ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="probe") as probers:
         built = {label: builders.submit(_build_timed, prober, sets[label]) for label in todo}
@@ -318,8 +320,10 @@ def sweep_releases(prober: Prober, sets: dict[str, VersionSet], families: list[s
             except envs.EnvBuildError as exc:
                 print(f"stackcheck: {label}: environment not built: {exc}", flush=True)
                 environment = None
-            result = prober.probe(label, sets[label], families, concurrent=min(jobs, len(todo)), environment=environment)
+            result = prober.probe(label, sets[label], families, concurrent=min(jobs, len(todo)), environment=environment,
+                                  env=tracker.env(live=jobs == 1))  # probes side by side would share one terminal line
             print(f"== history: {label} {'done' if result.built else 'not probed'} ({time.monotonic() - started:.0f} s into the sweep)", flush=True)
+            tracker.finished(label, len(result.cells))
             return result if result.built else None  # a release whose wheels have not arrived is not in the map yet
 
         futures = [probers.submit(probe, label) for label in todo]

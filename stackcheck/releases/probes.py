@@ -136,14 +136,15 @@ class Prober:
         envs.build(vset, self.find_links, self.no_index)
 
     def probe(self, label: str, vset: VersionSet, families: list[str], concurrent: int = 1,
-              environment: float | None = None) -> Probe:
-        """`environment`: the seconds its environment took when `build` made it ahead of the probe."""
+              environment: float | None = None, env: dict[str, str] | None = None) -> Probe:
+        """`environment`: the seconds its environment took when `build` made it ahead of the probe; `env`:
+        variables for its pytest process (stackcheck.progress)."""
         stored = self.stored(label, vset, families)
         if stored is not None:
             print(f"== probe {label}: from {self.store.path.name} (same environment, family definitions and platform)", flush=True)
             return stored
         key = self.key(vset)
-        env = {"OMP_NUM_THREADS": str(self.threads)} if self.threads else None
+        env = {**(env or {}), **({"OMP_NUM_THREADS": str(self.threads)} if self.threads else {})}
         with tempfile.TemporaryDirectory(prefix="stackcheck-probe-") as scratch:
             matrix = Path(scratch) / "matrix.json"
             cells, costs = lane.run_timed(vset, lane.family_targets(families), matrix, self.find_links, self.no_index,
