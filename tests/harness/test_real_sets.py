@@ -59,13 +59,13 @@ def without_seconds(data: dict) -> dict:
 def test_merging_two_separately_run_sets_gives_the_report_of_running_both_together(tmp_path):
     one_test = ["--", "-p", "no:cacheprovider", "-m", "params4bit_kwargs and not gpu", "-k", ONE_TEST.split("::")[1]]
     together = tmp_path / "together" / "matrix.json"
-    assert cli.main(["matrix", "--sets", "seed,latest", "--results", str(together), *one_test]) == 0
+    assert cli.main(["matrix", "--sets", "seed,latest", "--results", str(together), "--arch", "gemma4", *one_test]) == 0
     jobs = [tmp_path / name / "matrix.json" for name in ("seed", "latest")]
     for name, job in zip(("seed", "latest"), jobs):
-        assert cli.main(["matrix", "--sets", name, "--results", str(job), *one_test]) == 0
+        assert cli.main(["matrix", "--sets", name, "--results", str(job), "--arch", "gemma4", *one_test]) == 0
     merged = results.merge_files(jobs, tmp_path / "merged" / "matrix.json")
     expected = results.load(together)
-    assert [(c["set"], c["test"]) for c in merged["cells"]] == [("latest", f"{ONE_TEST}[cpu]"), ("seed", f"{ONE_TEST}[cpu]")]
+    assert [(c["set"], c["test"]) for c in merged["cells"]] == [("latest", f"{ONE_TEST}[cpu-gemma4]"), ("seed", f"{ONE_TEST}[cpu-gemma4]")]
     # Only the measured seconds differ between two runs of the same cells.
     assert without_seconds(merged) == without_seconds(expected)
     assert results.render_markdown(without_seconds(merged)) == results.render_markdown(without_seconds(expected))
