@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stackcheck import REPO_ROOT, envs, lane, results
-from stackcheck.ledger import SEVERITY, Ledger, Verdict, family_modules
+from stackcheck.ledger import SEVERITY, Bug, Ledger, Verdict, family_modules
+from stackcheck.models import architectures
 from stackcheck.releases.bisect import Candidate, observed, release_candidates, version_option
 from stackcheck.progress import Progress
 from stackcheck.releases.probes import DEFAULT_STORE, Probe, Prober, ProbeStore
@@ -111,6 +112,11 @@ def render_markdown(sweep: dict, rows: list[tuple[str, Probe | None]], families:
             kind = marks.get((family, label))
             codes.append(f"**{code}**" if kind == VERDICT_TRANSITION else f"{code} †" if kind == SIGNATURE_TRANSITION else code)
         lines.append(f"| {label} | " + " | ".join(codes) + " |")
+    lines += ["", "## Known bugs", "", "Each known bug of these families, release by release: present (a test fails with it), "
+              "absent (one of its tests passes), masked (its tests fail otherwise first), not applicable (the versions predate it, "
+              "or its tests do not run here). The map's PNG draws the same.", ""]
+    labels = [label for label, _ in rows]
+    lines += [f"- `{bug}`: {bug_spans(labels, states)}" for bug, states in bug_rows(rows, families).items()]
     lines += ["", "## Transitions", ""]
     if not found:
         lines += ["No family changes state in this range.", ""]
@@ -161,14 +167,51 @@ def _describe(cell: dict | None) -> str:
     return text + (f" `{cell['signature'][:140]}`" if cell.get("signature") else "")
 
 
-HEAT_COLOURS = {Verdict.NEW_FAILURE: "#d62728", Verdict.ERROR: "#7f7f7f", Verdict.FIXED: "#17becf", Verdict.KNOWN_BUG: "#ff7f0e",
-                Verdict.NOT_AFFECTED: "#c7e9c0", Verdict.PASS: "#2ca02c", Verdict.SKIPPED: "#dddddd",
-                Verdict.NOT_APPLICABLE: "#f4f4f4"}
+# A known bug at one release, from the cells of the tests the ledger runs it in (see `bug_state`).
+BUG_STATES = {"present": "#ff7f0e", "masked": "#7f7f7f", "absent": "#2ca02c", "not applicable": "#f4f4f4"}
+
+
+def bug_state(bug: Bug, cells: list[dict], ledger: Ledger, model_types: dict[str, str]) -> str:
+    """`present`: a failing cell names the bug; else `absent`: one of its tests passes (on an architecture the bug
+    lives on); else `masked`: they fail before telling (an error, another bug, a new failure); else `not applicable`:
+    the versions predate it, its tests are skipped here, or none ran."""
+    mine = [c for c in cells if c["family"] in ledger.families and bug.lives_on(model_types.get(c.get("arch")))
+            and bug in ledger.families[c["family"]].bugs_for(c["test"].split("::", 1)[-1])]
+    if any(c.get("bug") == bug.id and c["verdict"] in (Verdict.KNOWN_BUG, Verdict.NEW_FAILURE) for c in mine):
+        return "present"
+    if any(c["verdict"] in (Verdict.PASS, Verdict.FIXED) for c in mine):
+        return "absent"
+    if any(c["verdict"] in (Verdict.ERROR, Verdict.NEW_FAILURE, Verdict.KNOWN_BUG) for c in mine):
+        return "masked"
+    return "not applicable"
+
+
+def bug_rows(rows: list[tuple[str, Probe | None]], families: list[str]) -> dict[str, list[str | None]]:
+    """Each known bug of the swept families: its state at each release (None where not probed)."""
+    ledger = Ledger()
+    model_types = {name: arch.model_type for name, arch in architectures.builtin().items()}
+    bugs = {bug.id: bug for family in families if family in ledger.families for bug, _ in ledger.families[family].bugs}
+    return {bug_id: [bug_state(bug, probe.cells, ledger, model_types) if probe else None for _label, probe in rows]
+            for bug_id, bug in bugs.items()}
+
+
+def bug_spans(labels: list[str], states: list[str | None]) -> str:
+    """A bug's states over the releases as runs: `present 5.6.2…5.10.0, absent 5.11.0…5.23.0`."""
+    spans: list[list] = []
+    for label, state in zip(labels, states):
+        if state is None:
+            continue
+        if spans and spans[-1][0] == state:
+            spans[-1][2] = label
+        else:
+            spans.append([state, label, label])
+    return ", ".join(f"{state} {first}" + (f"…{last}" if last != first else "") for state, first, last in spans)
 
 
 def render_heat_map(sweep: dict, rows: list[tuple[str, Probe | None]], families: list[str], path: Path) -> str | None:
-    """The map as a PNG: families down, releases across, coloured by each family's worst verdict; a black
-    frame marks a verdict transition, a dot a signature transition. Returns a note when it cannot draw."""
+    """The map as a PNG: one row per known bug of the swept families, releases across, coloured by the bug's
+    state (BUG_STATES); a black frame where the state differs from the release before, so each fix and each
+    regression is a change of colour. Returns a note when it cannot draw."""
     try:
         import matplotlib
     except ImportError:
@@ -178,30 +221,22 @@ def render_heat_map(sweep: dict, rows: list[tuple[str, Probe | None]], families:
     from matplotlib.colors import to_rgb
     from matplotlib.patches import Patch, Rectangle
 
-    found = transitions([(label, probe.cells if probe else None) for label, probe in rows], families)
-    marks = {(t.family, t.after): t.kind for t in found}
-    grid = [[(1, 1, 1)] * len(rows) for _ in families]
-    for column, (label, probe) in enumerate(rows):
-        mine = by_family(probe.cells) if probe else {}
-        for row, family in enumerate(families):
-            verdicts = [c["verdict"] for c in mine.get(family, [])]
-            if verdicts:
-                grid[row][column] = to_rgb(HEAT_COLOURS[Verdict(min(verdicts, key=SEVERITY.index))])
-    figure, axes = plt.subplots(figsize=(max(6.0, 0.42 * len(rows) + 3.5), 0.38 * len(families) + 2.2))
+    states = bug_rows(rows, families)
+    bugs = list(states)
+    grid = [[to_rgb(BUG_STATES[state]) if state else (1, 1, 1) for state in states[bug]] for bug in bugs]
+    figure, axes = plt.subplots(figsize=(max(6.0, 0.42 * len(rows) + 3.5), 0.32 * len(bugs) + 2.2))
     axes.imshow(grid, aspect="auto", interpolation="nearest")
-    for (family, label), kind in marks.items():
-        x, y = [r[0] for r in rows].index(label), families.index(family)
-        if kind == VERDICT_TRANSITION:
-            axes.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2))
-        else:
-            axes.plot(x, y, "o", color="black", markersize=4)
+    for y, bug in enumerate(bugs):
+        probed = [(x, state) for x, state in enumerate(states[bug]) if state]
+        for (_, before), (x, state) in zip(probed, probed[1:]):
+            if state != before:
+                axes.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2))
     axes.set_xticks(range(len(rows)), [label for label, _ in rows], rotation=90, fontsize=8)
-    axes.set_yticks(range(len(families)), families, fontsize=8)
+    axes.set_yticks(range(len(bugs)), bugs, fontsize=8)
     axes.set_title(f"{sweep['package']} {sweep['from']}…{sweep['to']}, other libraries from {sweep['base']} "
-                   f"({', '.join(sweep['lanes'])} lane{'s' if len(sweep['lanes']) > 1 else ''}): worst verdict per family", fontsize=9)
-    legend = [Patch(color=colour, label=str(verdict)) for verdict, colour in HEAT_COLOURS.items()]
-    legend += [Patch(facecolor="white", edgecolor="black", linewidth=2, label="verdict changes here"),
-               plt.Line2D([], [], marker="o", color="black", linestyle="", markersize=4, label="signature changes here")]
+                   f"({', '.join(sweep['lanes'])} lane{'s' if len(sweep['lanes']) > 1 else ''}): each known bug per release", fontsize=9)
+    legend = [Patch(color=colour, label=state) for state, colour in BUG_STATES.items()]
+    legend += [Patch(facecolor="white", edgecolor="black", linewidth=2, label="state changes here")]
     axes.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

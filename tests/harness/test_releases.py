@@ -97,6 +97,14 @@ def test_the_map_marks_verdict_and_signature_transitions(tmp_path, runner):
     assert "- **5.11.0 → 5.12.0** (verdict):" in table
 
 
+def test_the_map_has_a_row_per_known_bug_so_a_fix_is_a_change_of_colour(tmp_path, runner):
+    assert history(tmp_path) == 0
+    table = (tmp_path / "history.md").read_text()
+    assert "- `params4bit_kwargs`: present 5.10.1…5.11.0, absent 5.12.0…5.14.0" in table
+    # cache_parity's cells fail with a bug of their own: the ledger's cache_parity bugs cannot show.
+    assert "- `gemma4_uncached_kv_sharing`: masked 5.10.1…5.14.0" in table
+
+
 def test_bisect_over_a_swept_range_answers_from_the_store_alone(tmp_path, runner):
     assert history(tmp_path) == 0
     runner["calls"].clear()
