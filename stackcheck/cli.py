@@ -287,7 +287,10 @@ def run_tests(args) -> int:
     (vset,) = _selected(args)
     python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
     print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
-    return run_pytest(python, vset, ["tests"], [*arch_option(args), *args.pytest_args], None)
+    # CI's run: the families on the seed's architecture unless --arch widens it (new architectures still have
+    # unexplained new failures, which `matrix` shows: see docs/architectures.md).
+    arch = arch_option(args) or [f"--stackcheck-arch={architectures.SEED_ARCHITECTURE}"]
+    return run_pytest(python, vset, ["tests"], [*arch, *args.pytest_args], None)
 
 
 def run_bench(args) -> int:

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.needs("clippable_linear")
 
 def test_broad_targets_apply_to_gemma4_towers(under_test):
     base = scenario.load_base(under_test)
-    broad = tiny.adapter_spec("broad")["target_modules"]
+    broad = tiny.adapter_spec(under_test.arch, "broad")["target_modules"]
     clippable = scenario.clippable_linears(base)
     scenario.require(clippable, "the model has no Gemma4ClippableLinear modules")
     matched = [name for name in clippable if name.rsplit(".", 1)[-1] in broad]

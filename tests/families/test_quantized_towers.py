@@ -62,7 +62,7 @@ def audio_response(under_test, model) -> torch.Tensor:
 
 
 def bf16_response(under_test, response) -> torch.Tensor:
-    reference = response(scenario.load_base(under_test, quantized=False))
+    reference = response(under_test, scenario.load_base(under_test, quantized=False))
     scenario.require(reference.norm() > 0, "the bf16 tower does not respond to its input")
     return reference
 
