@@ -3,6 +3,7 @@ bitsandbytes warning every run printed, and doctor's wording."""
 
 import glob
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -62,3 +63,15 @@ def test_doctor_says_what_its_brackets_are_and_heads_downgrades_as_downgrades():
             assert changes and set(changes) == {"downgrade"}, group
         else:
             assert heading.endswith("no release leaves them:") and not changes, group
+
+
+def test_the_readmes_scan_example_runs_as_written():
+    """The example's files are in the repository; its `--python` names the environment this harness runs in."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    example = re.search(r"^    \$ python -m stackcheck (scan .*?)\n(?!          )", readme, re.M | re.S).group(1)
+    argv = shlex.split(example.replace("\\\n", " "))
+    argv[argv.index("--python") + 1] = sys.executable
+    run = stackcheck(*argv)
+    assert run.returncode == 1, run  # the seed map's key that names no module, and PEFT's rejected targets
+    assert "LoRA target hits per module type: Gemma4ClippableLinear 148, Linear4bit 205" in run.stdout
+    assert "'model.multi_modal_projector' names no module of Gemma4ForConditionalGeneration" in run.stdout
