@@ -31,7 +31,7 @@ COMMANDS = {
     "versions": "Print each set's pins.",
     "doctor": "Known bugs affecting an installed stack, and the changes that leave them: `-- [--python PATH] [--json]`.",
     "repro": "Standalone reproductions of failing cells, checked: `-- --from results/matrix.json` or `-- --sets seed --test ID`.",
-    "scan": "Preflight a model folder (+ adapter folder) on meta: `-- MODEL [ADAPTER] [--device-map J] [--quantization J]`.",
+    "scan": "Preflight a model folder (+ adapter folder) on meta: `-- MODEL [ADAPTER] [--device-map J] [--quantization J] [--python PATH]`.",
     "merge": "Merge per-job matrix.json files: `-- a/matrix.json b/matrix.json [--output results/matrix.json]`.",
     "bisect": "First release where a family flips: `-- accelerate --good 1.15.0 --bad 1.13.0 --family params4bit_kwargs`.",
     "history": "Every release of a package through every family: `-- transformers --from 5.6.2 --to 5.23.0`; writes results/history-<package>.{json,md,png}.",
