@@ -56,7 +56,7 @@ CASES = {
 REPEAT_CASE = "nf4_dq"  # the seeds' quantization: the case whose decode `--repeat` measures again
 
 
-def _load_realistic(quantized: bool, double_quant: bool, device_map, **kwargs):
+def _load_realistic(_under_test, quantized: bool, double_quant: bool, device_map, **kwargs):
     from transformers import Gemma4ForCausalLM
 
     checkpoint = tiny.realistic_checkpoint() / "base"
@@ -66,7 +66,7 @@ def _load_realistic(quantized: bool, double_quant: bool, device_map, **kwargs):
 @dataclass(frozen=True)
 class Size:
     prepare: Callable[[], object]  # builds (once) the checkpoints the loads need, outside any measurement
-    load: Callable  # (quantized=, double_quant=, device_map=, **from_pretrained kwargs) -> model
+    load: Callable  # (the seed's UnderTest, quantized=, double_quant=, device_map=, **from_pretrained kwargs) -> model
     adapter: Callable[[], str | Path]  # what scenario.peft_load takes
     trained_adapter: str  # the adapter fixture whose targets scenario.qlora_model trains (tiny.lora_config: rank 4)
     has_towers: bool  # only a multimodal model has towers for the split map to send to the CPU
@@ -76,7 +76,9 @@ TINY_ADAPTER = "language"
 # The realistic model trains on the fixture adapter "broad": every attention and MLP projection, the targets of
 # its own adapter (fixtures/realistic_gemma4_text.json), at tiny.lora_config's rank 4 where that adapter has 16.
 SIZES = {
-    "tiny": Size(prepare=lambda: (tiny.base_checkpoint(), tiny.adapter_checkpoint(TINY_ADAPTER)), load=scenario.load_base,
+    "tiny": Size(prepare=lambda: (tiny.base_checkpoint(scenario.seed_model(torch.device("cpu")).arch),
+                                  tiny.adapter_checkpoint(scenario.seed_model(torch.device("cpu")).arch, TINY_ADAPTER)),
+                 load=scenario.load_base,
                  adapter=lambda: TINY_ADAPTER, trained_adapter=TINY_ADAPTER, has_towers=True),
     "realistic": Size(prepare=tiny.realistic_checkpoint, load=_load_realistic,
                       adapter=lambda: tiny.realistic_checkpoint() / "adapter", trained_adapter="broad", has_towers=False),
@@ -115,16 +117,18 @@ def bench_device() -> torch.device:
 
 
 def load_case(size: Size, case: Case, device: torch.device):
+    """The case's model on `device`: the seed's architecture (its adapters and LoRA targets) at the size's scale."""
+    under_test = scenario.seed_model(device)
     device_map = scenario.SEED_SPLIT_DEVICE_MAP if case.split else {"": scenario.device_key(device)}
     kwargs = {}
     if case.quantized:
         # transformers refuses a 4-bit model with CPU entries in its map unless fp32 CPU offload is on
         kwargs["quantization_config"] = scenario.bnb_config(case.double_quant, fp32_cpu_offload=case.split)
-    model = size.load(quantized=case.quantized, double_quant=case.double_quant, device_map=device_map, **kwargs)
+    model = size.load(under_test, quantized=case.quantized, double_quant=case.double_quant, device_map=device_map, **kwargs)
     if case.training:
-        return scenario.qlora_model(model, size.trained_adapter)  # in training mode
+        return scenario.qlora_model(under_test, model, size.trained_adapter)  # in training mode
     if case.adapter:
-        model = scenario.peft_load(model, size.adapter())
+        model = scenario.peft_load(under_test, model, size.adapter())
     if case.adapter == "merged":
         model = model.merge_and_unload()
     return model.eval()
@@ -435,13 +439,12 @@ class TrainingRun(CaseRun):
     def __init__(self, size: str, case: str, device: torch.device, profile: Profile):
         super().__init__(size, case, device, profile)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad])
-        self.batch_tokens = scenario.training_batch(self.model.config)["input_ids"].numel()
+        self.batch_tokens = scenario.training_batch(device, self.model.config)["input_ids"].numel()
 
     def train_step(self) -> list[float]:
-        """One step of scenario.train_steps: zero_grad, forward and backward on the fixed batch, which it
-        builds on scenario.main_device() (the bench's device: tests/benchmarks/conftest.py), AdamW's step.
-        Returns [the loss]."""
-        return scenario.train_steps(self.model, self.optimizer, 1)
+        """One step of scenario.train_steps: zero_grad, forward and backward on the fixed batch, built on the
+        case's device, AdamW's step. Returns [the loss]."""
+        return scenario.train_steps(scenario.seed_model(self.device), self.model, self.optimizer, 1)
 
     def extra_info(self, phase: str) -> dict:
         return self.case_info(phase, self.batch_tokens)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import tempfile
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 from stackcheck import REPO_ROOT, bench_compare, bench_report, doctor, envs, gate, repro, results, scan, wheelhouse
 from stackcheck.releases import bisect, history
 from stackcheck.releases import watch as watch_module
-from stackcheck.lane import CPU_LANE, bench_set, check_ledger, record_unbuildable, run_pytest
+from stackcheck.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, check_ledger, record_unbuildable, run_pytest
 from stackcheck.ledger import LedgerError
 from stackcheck.progress import Progress
 from stackcheck.models import architectures
@@ -77,30 +76,7 @@ def check_common_options(args) -> None:
         if "://" not in folder and not Path(folder).expanduser().is_dir():
             raise UsageError(f"--find-links {folder}: no such folder")
     if getattr(args, "arch", None):
-        arch_option(args)  # an unknown name, or a config.json that is no JSON or cannot be shrunk: before any build
-
-
-ARCH_HELP = ("architectures under test: built-in names, comma-separated, or a path to a config.json (shrunk to a tiny "
-             f"model of the same structure; no weights needed). Built in: {', '.join(architectures.builtin())}. Default: all")
-
-
-def arch_option(args) -> list[str]:
-    """The pytest option that runs the families on `--arch` (none: every built-in architecture)."""
-    if not getattr(args, "arch", None):
-        return []
-    try:
-        chosen = architectures.resolve(args.arch)
-    except architectures.ArchitectureError as exc:
-        raise UsageError(str(exc)) from None
-    builtin = architectures.builtin()
-    own = [a for a in chosen if builtin.get(a.name) != a]
-    if own and importlib.util.find_spec("transformers"):  # else the set's transformers decides, in its cells
-        from transformers import CONFIG_MAPPING
-
-        for arch in own:
-            if arch.model_type not in CONFIG_MAPPING:
-                raise UsageError(f"--arch {arch.source}: model_type '{arch.model_type}' is not one this transformers can build")
-    return ["--stackcheck-arch=" + ",".join(a.source if a in own else a.name for a in chosen)]
+        arch_options(args.arch)  # an unknown name, or a config.json that is no JSON or cannot be shrunk: before any build
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -200,6 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     add_set_options(gate, many=False)  # --set is the baseline; --with bumps the candidate
     gate.add_argument("--candidate", help="candidate set name (default: the baseline set, with the --with pins)")
     gate.add_argument("--families", help="comma-separated families (default: all)")
+    gate.add_argument("--arch", help=ARCH_HELP)
     gate.add_argument("--output", type=absolute_path, default=REPO_ROOT / "results" / "gate", help="folder for matrix.json and summary.md")
     gate.add_argument("--bench", choices=("smoke", "tiny", "realistic", "all"),
                       help="also compare the bench of both sets as ratios (smoke runs on the CPU)")
@@ -265,7 +242,7 @@ def run_matrix(args) -> int:
         lane_started = time.monotonic()
         selection = [] if gpu else [CPU_LANE]
         # Every set after the first loads the adapter the first one trained (stackcheck.exchange).
-        code = run_pytest(python, vset, ["tests/families"], ["-q", *selection, *arch_option(args), *args.pytest_args],
+        code = run_pytest(python, vset, ["tests/families"], ["-q", *selection, *arch_options(args.arch), *args.pytest_args],
                           args.results, sets[0].name, tracker.env())
         tracker.finished(vset.name, sum(1 for c in results.load(args.results)["cells"] if c["set"] == vset.name and c["lane"] in lanes))
         if code == 4:  # pytest's usage error: it printed the reason (a bad pytest argument, or the ledger)
@@ -289,7 +266,7 @@ def run_tests(args) -> int:
     print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
     # CI's run: the families on the seed's architecture unless --arch widens it (new architectures still have
     # unexplained new failures, which `matrix` shows: see docs/architectures.md).
-    arch = arch_option(args) or [f"--stackcheck-arch={architectures.SEED_ARCHITECTURE}"]
+    arch = arch_options(args.arch) or [f"--stackcheck-arch={architectures.SEED_ARCHITECTURE}"]
     return run_pytest(python, vset, ["tests"], [*arch, *args.pytest_args], None)
 
 

@@ -36,9 +36,12 @@ class Finding:
 
 
 def _cells_by_family(data: dict) -> dict[str, list[dict]]:
+    """The cells of each family on each architecture (`family [arch]`; a family that builds no model: `family`),
+    so that the gate compares like with like."""
     families: dict[str, list[dict]] = {}
     for cell in data["cells"]:
-        families.setdefault(cell["family"], []).append(cell)
+        subject = f"{cell['family']} [{cell['arch']}]" if cell.get("arch") else cell["family"]
+        families.setdefault(subject, []).append(cell)
     return families
 
 
@@ -147,7 +150,8 @@ def run(args) -> int:
     for vset in (baseline, candidate):
         print(f"== gate: {vset.name}", flush=True)
         # The candidate loads the adapter the baseline trained, as a user does after upgrading.
-        cells = lane.run(vset, targets, matrix, args.find_links, args.no_index, baseline=baseline.name, env=tracker.env())
+        cells = lane.run(vset, targets, matrix, args.find_links, args.no_index, baseline=baseline.name, env=tracker.env(),
+                         options=lane.arch_options(args.arch))
         tracker.finished(vset.name, len(cells))
     data = results.load(matrix)
     before, after = one_set(data, baseline.name), one_set(data, candidate.name)

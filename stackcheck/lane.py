@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stackcheck import REPO_ROOT, envs, results
+from stackcheck.models import architectures
 from stackcheck.ledger import ERROR, Ledger, family_modules
 from stackcheck.versions import UsageError, VersionSet
 
@@ -28,6 +30,31 @@ def lanes_option(lanes: tuple[str, ...]) -> str:
 
 # The CPU lane alone (GPU cells would only be skipped on a CPU host).
 CPU_LANE = lanes_option(("cpu",))
+
+
+ARCH_HELP = ("architectures under test: built-in names (gemma4 and fixtures/architectures/*.json), comma-separated, or a "
+             "path to a config.json (shrunk to a tiny model of the same structure; no weights needed). Default: every built-in one")
+
+
+def arch_options(spec: str | None) -> list[str]:
+    """The pytest option that runs the families on `--arch SPEC` (none: every built-in architecture), checked
+    here, before any environment is built: an unknown name, a config.json that is not JSON or cannot be
+    shrunk, or (where this interpreter has transformers) a model_type it cannot build is a usage error."""
+    if not spec:
+        return []
+    try:
+        chosen = architectures.resolve(spec)
+    except architectures.ArchitectureError as exc:
+        raise UsageError(str(exc)) from None
+    builtin = architectures.builtin()
+    own = [a for a in chosen if builtin.get(a.name) != a]
+    if own and importlib.util.find_spec("transformers"):  # else the set's transformers decides, in its cells
+        from transformers import CONFIG_MAPPING
+
+        for arch in own:
+            if arch.model_type not in CONFIG_MAPPING:
+                raise UsageError(f"--arch {arch.source}: model_type '{arch.model_type}' is not one this transformers can build")
+    return ["--stackcheck-arch=" + ",".join(a.source if a in own else a.name for a in chosen)]
 
 
 def lane_args(lanes: tuple[str, ...]) -> list[str]:
@@ -129,15 +156,16 @@ def family_test(text: str) -> TestId:
 
 
 def run(vset: VersionSet, targets: list[str], results_path: Path, find_links=(), no_index: bool = False,
-        baseline: str | None = None, env: dict[str, str] | None = None) -> list[dict]:
+        baseline: str | None = None, env: dict[str, str] | None = None, options: list[str] = ()) -> list[dict]:
     """Run `targets` for `vset` on the CPU lane into results_path and return its cells. An environment
-    that cannot be built gets an `error` cell in every family instead, as in the matrix."""
-    return run_timed(vset, targets, results_path, find_links, no_index, baseline, env=env)[0]
+    that cannot be built gets an `error` cell in every family instead, as in the matrix. `options`: pytest
+    options of the run (`arch_options`)."""
+    return run_timed(vset, targets, results_path, find_links, no_index, baseline, env=env, options=options)[0]
 
 
 def run_timed(vset: VersionSet, targets: list[str], results_path: Path, find_links=(), no_index: bool = False,
               baseline: str | None = None, lanes: tuple[str, ...] = ("cpu",), env: dict[str, str] | None = None,
-              ) -> tuple[list[dict], dict[str, float | None]]:
+              options: list[str] = ()) -> tuple[list[dict], dict[str, float | None]]:
     """`run`, in `lanes`, with what it cost in seconds: environment (built or reused), start-up
     (interpreter, imports, collection), fixtures (tiny checkpoints built), tests, exit; and in all."""
     check_ledger()
@@ -153,7 +181,7 @@ def run_timed(vset: VersionSet, targets: list[str], results_path: Path, find_lin
         with tempfile.TemporaryDirectory(prefix="stackcheck-timing-") as scratch:
             timing = Path(scratch) / "timing.json"
             launched = time.monotonic()
-            run_pytest(python, vset, targets, [*lane_args(lanes), f"--stackcheck-timing={timing}"], results_path, baseline, env)
+            run_pytest(python, vset, targets, [*lane_args(lanes), *options, f"--stackcheck-timing={timing}"], results_path, baseline, env)
             ended = time.monotonic() - launched
             split = json.loads(timing.read_text()) if timing.exists() else {}
         costs |= {key: split.get(key) for key in ("startup", "fixtures", "tests")}

@@ -62,6 +62,11 @@ class UnderTest:
         return f"{self.arch.name} on {self.device}"
 
 
+def seed_model(device: torch.device) -> UnderTest:
+    """The seed user's model, the tiny Gemma 4, on `device`: what the benchmarks and the harness's own tests use."""
+    return UnderTest(architectures.builtin()[architectures.SEED_ARCHITECTURE], device)
+
+
 def lane_device(lane: str) -> torch.device:
     return torch.device("cuda", 0) if lane == "gpu" else torch.device("cpu")
 

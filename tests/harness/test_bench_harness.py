@@ -18,6 +18,8 @@ from stackcheck import REPO_ROOT, bench, bench_compare, bench_report, cli, gate,
 from stackcheck.models import tiny
 from stackcheck.versions import UsageError
 
+GEMMA4 = scenario.seed_model(torch.device("cpu"))
+
 pytest.importorskip("pytest_benchmark", reason="the bench needs the `bench` extra (`nox -s tests` installs it)")
 
 INFERENCE_CASES = {"bf16", "nf4", "nf4_dq", "nf4_dq_lora", "nf4_dq_merged", "bf16_merged"}  # no split map on the CPU
@@ -117,7 +119,7 @@ def test_compare_fails_vram_growth_past_the_threshold(smoke):
 def test_weight_arithmetic_matches_what_bitsandbytes_stores(double_quant):
     """Per 4-bit layer, the arithmetic is exactly the packed weight plus its absmax (with double quant
     the 8-bit absmax plus the second-level fp32 one); the rest of the quant state is the known gap."""
-    model = scenario.load_base(double_quant=double_quant)
+    model = scenario.load_base(GEMMA4, double_quant=double_quant)
     layers = scenario.linear4bit_modules(model)
     assert layers
     for name, module in layers.items():

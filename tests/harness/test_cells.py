@@ -59,7 +59,7 @@ def checkout(tmp_path):
 
 def test_crashed_worker_and_unimportable_module_leave_error_cells(checkout, tmp_path):
     results = tmp_path / "matrix.json"
-    run = run_pytest(checkout, "-n", "2", "--stackcheck-lanes=cpu", f"--stackcheck-results={results}",
+    run = run_pytest(checkout, "-n", "2", "--stackcheck-lanes=cpu", "--stackcheck-arch=gemma4", f"--stackcheck-results={results}",
                      "tests/families/test_import_fails.py", "tests/families/test_worker_crash.py",
                      "tests/families/test_seed_scenario.py")
     cells = cells_of(results)
@@ -94,7 +94,7 @@ def test_a_fixture_that_cannot_be_built_is_an_error_not_a_new_failure(tmp_path):
     config["text_config"]["layer_types"] = ["no_such_attention"] * config["text_config"]["num_hidden_layers"]
     (fixtures / "tiny_gemma4.json").write_text(json.dumps(config))
     results = tmp_path / "matrix.json"
-    run_pytest(REPO_ROOT, f"--stackcheck-results={results}", "--stackcheck-lanes=cpu",
+    run_pytest(REPO_ROOT, f"--stackcheck-results={results}", "--stackcheck-lanes=cpu", "--stackcheck-arch=gemma4",
                "tests/families/test_merge_parity.py::test_merge_into_bf16_base_reproduces_adapter_outputs",
                env={"STACKCHECK_FIXTURES": str(fixtures)})
     (cell,) = cells_of(results).values()

@@ -25,7 +25,7 @@ def test_family_tests_run_in_both_lanes_and_gpu_tests_in_the_gpu_lane_only():
     assert "tests/families/test_params4bit_kwargs.py::test_offload_hook_moves_loaded_param_to_meta[gpu-gemma4]" in ids
     assert "tests/families/test_seed_scenario.py::test_all_gpu_4bit_peft_generate[gpu-gemma4]" in ids
     assert not any("test_all_gpu_4bit_peft_generate[cpu" in i for i in ids)
-    assert collected("-m", "not gpu", "tests/families/test_seed_scenario.py") == [
+    assert collected("-m", "not gpu", "--stackcheck-arch=gemma4", "tests/families/test_seed_scenario.py") == [
         "tests/families/test_seed_scenario.py::test_seed_device_map_names_existing_modules[cpu-gemma4]"
     ]
 
@@ -55,4 +55,4 @@ def test_a_rerun_forgets_only_the_lanes_it_runs(tmp_path):
     results.record_cells(path, [dict(cell("t[gpu]", "pass"), lane="gpu")])
     results.forget_cells(path, "seed", ["cpu"])
     assert [c["test"] for c in results.load(path)["cells"]] == ["t[gpu]"]
-    assert "| family | seed (gpu) |" in path.with_suffix(".md").read_text()
+    assert "| family | arch | seed (gpu) |" in path.with_suffix(".md").read_text()

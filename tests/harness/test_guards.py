@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from stackcheck import REPO_ROOT, plugin, scenario
-from stackcheck.models import architectures, tiny
+from stackcheck.models import tiny
 from stackcheck.scenario import ScenarioNotReached
 
-GEMMA4 = scenario.UnderTest(architectures.builtin()["gemma4"], torch.device("cpu"))
+GEMMA4 = scenario.seed_model(torch.device("cpu"))
 
 
 def test_linear4bit_guard_fires_on_a_bf16_model():
@@ -40,7 +40,7 @@ def test_offload_guard_fires_when_nothing_4bit_was_offloaded(tmp_path):
     # The split base offloads only the unquantized embedding table: like a big GPU, no pressure.
     split = scenario.split_base(GEMMA4, tmp_path)
     with pytest.raises(ScenarioNotReached, match="kept every Linear4bit on the main device"):
-        scenario.require_offloaded_linear4bit(split, scenario.offload_device(scenario.main_device()))
+        scenario.require_offloaded_linear4bit(split, scenario.offload_device(GEMMA4.device))
 
 
 def test_adapter_effect_guard_fires_when_outputs_do_not_change():

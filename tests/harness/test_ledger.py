@@ -9,11 +9,15 @@ import pytest
 import torch
 
 from stackcheck import scenario
+from stackcheck.models import architectures
 from stackcheck.ledger import (
     ERROR, FIXED, KNOWN_BUG, LEDGER_FILE, NEW_FAILURE, NOT_AFFECTED, PASS, Failure, Ledger, LedgerError, Verdict, family_modules,
 )
 from stackcheck.versions import installed_versions
 from stackcheck.scenario import ScenarioNotReached
+
+GEMMA4 = scenario.seed_model(torch.device("cpu"))
+LLAMA3 = scenario.UnderTest(architectures.builtin()["llama3"], torch.device("cpu"))  # no KV-shared layers
 
 KV_TEST = "test_generate_after_peft_redispatch_matches_undispatched[cpu-bf16]"
 
@@ -42,7 +46,7 @@ def family_module(family: str):
 def meta_quant_state_failure() -> Failure:
     """bitsandbytes' own `QuantState.as_dict` on a double-quant state whose offset is on meta: the
     meta_quant_state bug, reached without accelerate (which, on seed, fails earlier on params4bit_kwargs)."""
-    _name, module = scenario.first_nested_linear4bit(scenario.load_base())
+    _name, module = scenario.first_nested_linear4bit(scenario.load_base(GEMMA4))
     module.weight.quant_state.offset = module.weight.quant_state.offset.to("meta")
     return caught(module.state_dict)
 
@@ -50,13 +54,13 @@ def meta_quant_state_failure() -> Failure:
 def test_the_frame_that_raised_decides_not_any_frame_on_the_stack(ledger, versions):
     """A `KeyError: 0` raised below Gemma 4's forward, by code that is not Gemma 4's, is not the shared-KV bug
     (before: any frame ending in modeling_gemma4.py:forward matched, so it read known_bug)."""
-    model = scenario.load_base(quantized=False)
+    model = scenario.load_base(GEMMA4, quantized=False)
 
     def lookup_that_misses(module, args):
         return {}[0]
 
     model.model.language_model.layers[0].mlp.register_forward_pre_hook(lookup_that_misses)
-    failure = caught(scenario.logits, model, scenario.prompt())
+    failure = caught(scenario.logits, model, scenario.prompt(GEMMA4.device))
     assert "transformers/models/gemma4/modeling_gemma4.py:forward" in failure.frames
     assert failure.raising_frame == "tests/harness/test_ledger.py:lookup_that_misses"
 
@@ -100,24 +104,24 @@ def test_message_must_match_whole_not_be_searched(ledger, versions, monkeypatch)
     """The preflight names the seed's stray key; a longer list of unknown keys is another failure."""
     family = family_module("seed_scenario")
     test = "test_seed_device_map_names_existing_modules[cpu]"
-    known = caught(family.test_seed_device_map_names_existing_modules)
+    known = caught(family.test_seed_device_map_names_existing_modules, GEMMA4)
     assert ledger.judge("seed_scenario", test, versions, known).verdict == KNOWN_BUG
 
     monkeypatch.setitem(scenario.SEED_USER_DEVICE_MAP, "model.vision_projector", "cpu")
-    longer = caught(family.test_seed_device_map_names_existing_modules)
+    longer = caught(family.test_seed_device_map_names_existing_modules, GEMMA4)
     assert longer.message.endswith("model.multi_modal_projector, model.vision_projector")
     judgement = ledger.judge("seed_scenario", test, versions, longer)
     assert (judgement.verdict, judgement.bug) == (NEW_FAILURE, "seed_map_unknown_module")
     assert "new signature" in judgement.note
 
 
-@pytest.mark.parametrize("measured, verdict", [(0.55, KNOWN_BUG), (0.30, NEW_FAILURE), (0.90, NEW_FAILURE), (float("nan"), NEW_FAILURE)])
+@pytest.mark.parametrize("measured, verdict", [(0.55, KNOWN_BUG), (0.11, NEW_FAILURE), (0.90, NEW_FAILURE), (float("nan"), NEW_FAILURE)])
 def test_numeric_known_bug_holds_only_inside_its_measured_band(ledger, versions, measured, verdict):
     """The real merge comparison of the family, on real logits of the tiny model, at a chosen error:
     only the band the 4-bit merge loss was measured at is the known bug (before: anything above 10%)."""
     family = family_module("merge_parity")
-    model = scenario.load_base(quantized=False)
-    prompt = scenario.prompt()
+    model = scenario.load_base(GEMMA4, quantized=False)
+    prompt = scenario.prompt(GEMMA4.device)
     merged = scenario.logits(model, prompt)
     step = torch.ones_like(merged)
     adapter = merged + step
@@ -144,7 +148,7 @@ def test_known_bug_outside_its_affected_range_is_a_new_failure(ledger, versions)
 def test_scenario_not_reached_before_a_bugs_introduction_is_not_affected(ledger, versions):
     """transformers 5.5.0 and 5.5.1 pass no shared_kv_states between layers: the shared-KV scenario does not
     exist there (measured: the family test stops at its precondition). Later releases: a bare error."""
-    failure = caught(scenario.shared_kv_layers, torch.nn.Module())
+    failure = caught(scenario.shared_kv_layers, scenario.load_base(LLAMA3, quantized=False))
     assert failure.not_reached
     before = ledger.judge("shared_kv_redispatch", KV_TEST, dict(versions, transformers="5.5.1"), failure)
     assert before.verdict == NOT_AFFECTED and "shared_kv_redispatch needs transformers" in before.note and ">=5.5.2" in before.note
@@ -162,7 +166,7 @@ def test_pass_where_the_ledger_says_affected_is_fixed(ledger, versions):
 
 
 def test_verdicts_are_a_closed_set():
-    assert [str(v) for v in Verdict] == ["new_failure", "error", "fixed", "known_bug", "not_affected", "pass", "skipped"]
+    assert [str(v) for v in Verdict] == ["new_failure", "error", "fixed", "known_bug", "not_affected", "pass", "skipped", "not_applicable"]
     with pytest.raises(ValueError):
         Verdict("passed")
 

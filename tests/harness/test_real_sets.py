@@ -24,19 +24,19 @@ def harness_envs(monkeypatch):
 def test_gate_passes_a_bump_that_only_fixes_a_family(tmp_path, monkeypatch):
     step_summary = tmp_path / "step-summary.md"
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step_summary))
-    argv = ["gate", "--set", "seed", "--with", "accelerate==1.14.0", "--families", "params4bit_kwargs"]
+    argv = ["gate", "--set", "seed", "--with", "accelerate==1.14.0", "--families", "params4bit_kwargs", "--arch", "gemma4"]
     assert cli.main([*argv, "--output", str(tmp_path / "gate")]) == 0
     summary = step_summary.read_text()
-    assert "## stackcheck gate: PASS" in summary and "fixed families: params4bit_kwargs" in summary
+    assert "## stackcheck gate: PASS" in summary and "fixed families: params4bit_kwargs [gemma4]" in summary
     assert "accelerate 1.13.0 → 1.14.0" in summary
 
 
 def test_gate_fails_a_bump_that_breaks_a_family(tmp_path):
-    argv = ["gate", "--set", "seed", "--with", f"transformers=={FIRST_SDPA_BREAK}", "--families", "sdpa_multimodal_load"]
+    argv = ["gate", "--set", "seed", "--with", f"transformers=={FIRST_SDPA_BREAK}", "--families", "sdpa_multimodal_load", "--arch", "gemma4"]
     assert cli.main([*argv, "--output", str(tmp_path / "gate")]) == 1
     summary = (tmp_path / "gate" / "summary.md").read_text()
-    assert "## stackcheck gate: FAIL" in summary and "regressions: families/sdpa_multimodal_load" in summary
-    assert "| families | sdpa_multimodal_load | pass | known_bug (sdpa_audio_tower) | **regression** |" in summary
+    assert "## stackcheck gate: FAIL" in summary and "regressions: families/sdpa_multimodal_load [gemma4]" in summary
+    assert "| families | sdpa_multimodal_load [gemma4] | pass | known_bug (sdpa_audio_tower) | **regression** |" in summary
 
 
 def test_bisect_finds_the_accelerate_release_that_fixes_params4bit_kwargs(tmp_path):

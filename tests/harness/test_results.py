@@ -27,7 +27,7 @@ def test_each_cell_is_on_disk_as_soon_as_it_is_recorded(tmp_path):
     assert set(data) == {"sets", "cells", "fingerprint"} and data["sets"]["seed"]["transformers"] == "5.6.2"
     assert set(results.CELL_KEYS) <= set(data["cells"][0])
     markdown = path.with_suffix(".md").read_text()
-    assert "| shared_kv_redispatch | **known_bug** [shared_kv_redispatch]" in markdown
+    assert "| shared_kv_redispatch | - | **known_bug** [shared_kv_redispatch]" in markdown
     assert "5.6.2" in markdown
 
 
@@ -137,9 +137,9 @@ def test_report_hides_nothing(tmp_path):
         dict(cell("d", "pass"), family="merge_parity", lane="gpu"),
     ])
     markdown = path.with_suffix(".md").read_text()
-    assert "| shared_kv_redispatch | **missing** | **fixed** [shared_kv_redispatch](" in markdown
+    assert "| shared_kv_redispatch | - | **missing** | **fixed** [shared_kv_redispatch](" in markdown
     assert "(1 fixed, 1 known_bug)" in markdown
-    assert "| merge_parity | **pass** (1 pass) | **missing** |" in markdown  # ran in the GPU lane only
-    assert "| bnb_cpu_packed_width | **missing** | **skipped** (1 skipped) |" in markdown
+    assert "| merge_parity | - | **pass** (1 pass) | **missing** |" in markdown  # ran in the GPU lane only
+    assert "| bnb_cpu_packed_width | - | **missing** | **skipped** (1 skipped) |" in markdown
     assert "passes although the ledger says these versions have it" in markdown and "depends on the CPU" in markdown
     assert "| seed | Xeon | avx2 avx512f avx512_bf16 | taken | AVX512 | none | n/a | n/a | Linux-6 |" in markdown

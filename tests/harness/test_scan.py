@@ -5,10 +5,15 @@ map and quantization, and on the tiny fixture."""
 import json
 
 import pytest
+import torch
 
 from stackcheck import REPO_ROOT, cli, hostinfo, scenario
 from stackcheck.models import tiny
 from tests.harness.test_usage_errors import one_usage_line
+
+
+def seed_checkpoint():
+    return tiny.base_checkpoint(scenario.seed_model(torch.device("cpu")).arch)
 
 SEED_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # seed 002
 SEED_QUANTIZATION = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
@@ -47,11 +52,11 @@ def test_the_seed_users_models_and_targets(model, linear4bit_hits, kv_stores, se
 def test_a_skip_entry_that_keeps_nothing_and_packed_path_widths(monkeypatch, capsys):
     monkeypatch.setattr(hostinfo, "cpu_facts", lambda: {"cpu_flags": "avx2 avx512f avx512_bf16"})
     quantization = {"load_in_4bit": True, "llm_int8_skip_modules": ["model.vision_tower", "audio_encoder", "lm_head"]}
-    _code, report = scanned(capsys, tiny.base_checkpoint(), "--quantization", json.dumps(quantization), "--device-map", '{"": "cpu"}')
+    _code, report = scanned(capsys, seed_checkpoint(), "--quantization", json.dumps(quantization), "--device-map", '{"": "cpu"}')
     assert report["findings"]["skip_module_keeps_nothing"] == ["llm_int8_skip_modules entry 'audio_encoder' keeps nothing unquantized"]
     assert any(line.startswith("6 4-bit layers 64 -> 16 on this avx512_bf16 CPU") for line in report["findings"]["cpu_packed_path_rejects_width"])
     monkeypatch.setattr(hostinfo, "cpu_facts", lambda: {"cpu_flags": "avx2 avx512f"})
-    _code, report = scanned(capsys, tiny.base_checkpoint(), "--quantization", json.dumps(quantization), "--device-map", '{"": "cpu"}')
+    _code, report = scanned(capsys, seed_checkpoint(), "--quantization", json.dumps(quantization), "--device-map", '{"": "cpu"}')
     assert "cpu_packed_path_rejects_width" not in report["findings"]
 
 
@@ -63,5 +68,5 @@ def test_a_skip_entry_that_keeps_nothing_and_packed_path_widths(monkeypatch, cap
     (["{tiny}", "{tiny}"], "it has no adapter_config.json"),
 ])
 def test_wrong_inputs_are_one_line(argv, message, capsys):
-    argv = [a.replace("{tiny}", str(tiny.base_checkpoint())) for a in argv]
+    argv = [a.replace("{tiny}", str(seed_checkpoint())) for a in argv]
     assert message in one_usage_line(cli.main(["scan", *argv]), capsys)
