@@ -184,6 +184,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="which known bugs affect an installed stack, and the smallest changes that leave them")
     doctor.add_argument("--python", help="the interpreter whose packages to read (default: this one)")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("--arch", help="only the known bugs that can live on this built-in architecture")
 
     repro = commands.add_parser("repro", help="issue-ready standalone reproductions of failing cells, checked by running them")
     repro.add_argument("--from", dest="source", type=absolute_path, help="a matrix.json: export every failing cell in it")

@@ -18,6 +18,7 @@ from packaging.specifiers import Specifier
 
 from stackcheck import REPO_ROOT, hostinfo
 from stackcheck.ledger import Bug, Ledger
+from stackcheck.models import architectures
 from stackcheck.versions import CURRENT_SET, LIBRARIES, UsageError, installed_versions
 
 
@@ -78,11 +79,15 @@ def remedies(bug: Bug, versions: dict[str, str], ledger: Ledger) -> list[Remedy]
     return sorted(found, key=lambda r: (not r.upgrade, r.package))
 
 
-def diagnose(ledger: Ledger, versions: dict[str, str], cpu_flags: str) -> list[Diagnosis]:
-    """The ledger's bugs that affect `versions` on a CPU with `cpu_flags`, each with its families and remedies."""
+def diagnose(ledger: Ledger, versions: dict[str, str], cpu_flags: str,
+             arch: tuple[str, frozenset[str]] | None = None) -> list[Diagnosis]:
+    """The ledger's bugs that affect `versions` on a CPU with `cpu_flags`, each with its families and remedies;
+    with `arch` (model type, structures), only those that can live on that architecture."""
     diagnoses = []
     for bug in ledger.bugs.values():
         if not bug.affects(versions) or (bug.cpu_flag and bug.cpu_flag not in cpu_flags.split()):
+            continue
+        if arch and not ledger.lives_on(bug, *arch):
             continue
         families = tuple(family.id for family in ledger.families.values() if any(b.id == bug.id for b, _ in family.bugs))
         diagnoses.append(Diagnosis(bug.id, bug.summary, families, bug.links, bug.describe_range(),
@@ -152,12 +157,20 @@ def render(versions: dict[str, str], facts: dict[str, str], diagnoses: list[Diag
     return "\n".join(lines)
 
 
+def builtin_arch(name: str) -> tuple[str, frozenset[str]]:
+    """(model type, structures) of a built-in architecture, from its config file: no library imported."""
+    chosen = architectures.builtin().get(name)
+    if chosen is None:
+        raise UsageError(f"--arch: unknown architecture '{name}' (built in: {', '.join(architectures.builtin())})")
+    return chosen.model_type, chosen.declared
+
+
 def run(args) -> int:
     """The `doctor` command: 1 when a known bug affects the install (for CI), 0 when none does."""
     versions = versions_of(args.python)
     require_stack(versions, args.python, "pass the environment's Python with --python")
     facts = hostinfo.cpu_facts()
-    diagnoses = diagnose(Ledger(), versions, facts["cpu_flags"])
+    diagnoses = diagnose(Ledger(), versions, facts["cpu_flags"], builtin_arch(args.arch) if args.arch else None)
     verify = verify_command(versions, args.python is not None)
     print(json.dumps(report(versions, facts, diagnoses, verify), indent=2) if args.json else render(versions, facts, diagnoses, verify))
     return 1 if diagnoses else 0

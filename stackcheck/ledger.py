@@ -7,6 +7,7 @@ the installed versions and the failure, detached from the live traceback.
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import math
 import re
@@ -193,6 +194,17 @@ class Judgement:
     links: list[str] = field(default_factory=list)
 
 
+def family_needs(family: str, families_dir: Path = FAMILIES_DIR) -> frozenset[str]:
+    """The model structures a family's module needs (its module-level `pytestmark = pytest.mark.needs(...)`), read
+    without importing it: what `doctor` and `scan` narrow the known bugs by, with no library imported."""
+    tree = ast.parse((families_dir / f"test_{family}.py").read_text())
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)
+                and isinstance(node.value, ast.Call) and getattr(node.value.func, "attr", None) == "needs"):
+            return frozenset(arg.value for arg in node.value.args if isinstance(arg, ast.Constant))
+    return frozenset()
+
+
 def family_modules(families_dir: Path = FAMILIES_DIR) -> list[str]:
     """The family ids that have a module, tests/families/test_<id>.py."""
     return sorted(path.stem.removeprefix("test_") for path in families_dir.glob("test_*.py"))
@@ -276,6 +288,13 @@ class Ledger:
             for pattern in patterns:
                 _require(any(fnmatch.fnmatch(name, pattern) for name in test_names),
                          f"families.{family}", f"tests pattern '{pattern}' of '{bug.id}' matches no collected test")
+
+    def lives_on(self, bug: Bug, model_type: str, structures: frozenset[str]) -> bool:
+        """Whether `bug` can show on an architecture of `model_type` with `structures`: it is not tied to other
+        model types, and one of the families that list it can run there (its module needs no structure the
+        architecture lacks)."""
+        families = [family for family in self.families.values() if any(b.id == bug.id for b, _ in family.bugs)]
+        return bug.lives_on(model_type) and any(family_needs(family.id) <= structures for family in families)
 
     def judge(self, family: str, test_name: str, versions: dict[str, str], failure: Failure | None,
               model_type: str | None = None) -> Judgement:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from stackcheck import REPO_ROOT, doctor, hostinfo
 from stackcheck.ledger import Ledger
+from stackcheck.models import architectures
 from stackcheck.versions import UsageError, installed_versions
 
 # Set in the scan that `--python` starts in the other interpreter: that one scans in-process.
@@ -129,6 +130,16 @@ def check_quantization(scan: Scan, model, config, device_map: dict | None, known
     scan.quantization = {part: dict(types) for part, types in per_part.items()}
     for entry in scenario.ineffective_skips(model, list(config.llm_int8_skip_modules or [])):
         scan.add("skip_module_keeps_nothing", f"llm_int8_skip_modules entry '{entry}' keeps nothing unquantized")
+    # transformers 5 fuses a mixture of experts into 3-D parameters, and bitsandbytes replaces nn.Linear only
+    # (bitsandbytes#1849): the experts, most of such a model's weights, stay in bf16 with no warning.
+    experts = {name: p for name, p in model.named_parameters() if p.ndim == 3}
+    if experts:
+        unquantized = sum(p.numel() for p in experts.values())
+        total = sum(p.numel() for p in model.parameters())
+        scan.add("experts_not_quantized", f"{len(experts)} fused expert parameters (e.g. {next(iter(experts))}), "
+                 f"{unquantized / total:.0%} of the weights, stay unquantized under 4-bit: "
+                 f"{unquantized * 2 / 2**30:.1f} GiB in bf16 where NF4 would take {unquantized / 2 / 2**30:.1f} GiB "
+                 f"(bitsandbytes#1849; bitsandbytes replaces nn.Linear only)")
     if not set(PACKED_PATH_BUGS) & set(known_bugs) or device_map is None:
         return
     rejected: dict[tuple[int, int], list[str]] = {}
@@ -219,7 +230,9 @@ def run(args, argv: list[str]) -> int:
     versions, cpu_flags = installed_versions(), hostinfo.cpu_facts()["cpu_flags"]
     doctor.require_stack(versions, args.python, "name the Python of the environment that loads the model with --python")
     model, architecture = build_on_meta(args.model, config_data)
-    scan = Scan(str(args.model), architecture, known_bugs=[d.bug for d in doctor.diagnose(Ledger(), versions, cpu_flags)])
+    # The known bugs this architecture can have: its model type's, and those of families its structures let run.
+    arch = (model.config.model_type, architectures.structures(model.config))
+    scan = Scan(str(args.model), architecture, known_bugs=[d.bug for d in doctor.diagnose(Ledger(), versions, cpu_flags, arch)])
     if device_map is None and max_memory is not None:
         from accelerate import infer_auto_device_map
 

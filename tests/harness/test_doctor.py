@@ -72,3 +72,18 @@ def test_the_current_set_pins_what_this_interpreter_has(monkeypatch):
 def test_a_python_without_the_libraries_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(doctor, "versions_of", lambda python: dict(SEED, peft="absent", bitsandbytes="absent"))
     assert "has no peft, bitsandbytes installed" in one_usage_line(cli.main(["doctor"]), capsys)
+
+
+def test_an_architecture_narrows_the_bugs_to_those_that_can_live_on_it():
+    """No towers, no KV sharing, no Gemma 4: Qwen3-MoE keeps the library bugs and none of Gemma 4's."""
+    everything = {d.bug for d in doctor.diagnose(Ledger(), SEED, AVX512_BF16)}
+    moe = {d.bug for d in doctor.diagnose(Ledger(), SEED, AVX512_BF16, doctor.builtin_arch("qwen3moe"))}
+    gemma4 = {d.bug for d in doctor.diagnose(Ledger(), SEED, AVX512_BF16, doctor.builtin_arch("gemma4"))}
+    assert gemma4 == everything
+    assert {"params4bit_kwargs", "meta_quant_state"} <= moe < everything
+    assert not {"shared_kv_redispatch", "clippable_linear_targeting", "sdpa_audio_tower", "vision_tower_uint8_cast"} & moe
+
+
+def test_an_unknown_architecture_is_one_line(capsys):
+    line = one_usage_line(cli.main(["doctor", "--arch", "llama9"]), capsys)
+    assert line.startswith("stackcheck: --arch: unknown architecture 'llama9'")

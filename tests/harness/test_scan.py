@@ -15,17 +15,11 @@ from tests.harness.test_usage_errors import one_usage_line
 def seed_checkpoint():
     return tiny.base_checkpoint(scenario.seed_model(torch.device("cpu")).arch)
 
-SEED_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # seed 002
-SEED_QUANTIZATION = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
-                     "bnb_4bit_compute_dtype": "bfloat16", "llm_int8_enable_fp32_cpu_offload": True}
 
-
-@pytest.fixture
-def seed_adapter(tmp_path):
-    folder = tmp_path / "adapter"
-    folder.mkdir()
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 32, "target_modules": SEED_TARGETS}))
-    return folder
+# The README's example: the seed user's adapter targets (seed 002) and quantization, as files.
+SCAN_EXAMPLE = REPO_ROOT / "fixtures" / "scan-example"
+SEED_ADAPTER = SCAN_EXAMPLE / "adapter"
+SEED_QUANTIZATION = json.loads((SCAN_EXAMPLE / "seed_bnb.json").read_text())
 
 
 def scanned(capsys, *argv) -> tuple[int, dict]:
@@ -34,8 +28,8 @@ def scanned(capsys, *argv) -> tuple[int, dict]:
 
 
 @pytest.mark.parametrize("model, linear4bit_hits, kv_stores", [("gemma4-e2b", 205, [13, 14]), ("gemma4-e4b", 258, [22, 23])])
-def test_the_seed_users_models_and_targets(model, linear4bit_hits, kv_stores, seed_adapter, capsys):
-    code, report = scanned(capsys, REPO_ROOT / "fixtures" / model, seed_adapter, "--quantization", json.dumps(SEED_QUANTIZATION),
+def test_the_seed_users_models_and_targets(model, linear4bit_hits, kv_stores, capsys):
+    code, report = scanned(capsys, REPO_ROOT / "fixtures" / model, SEED_ADAPTER, "--quantization", json.dumps(SEED_QUANTIZATION),
                            "--device-map", json.dumps(scenario.SEED_USER_DEVICE_MAP))
     assert code == 1
     # Seed 002 counted 148 clippable and 205 Linear4bit hits on E2B; the shared-KV source of seeds 000/001 is 13 / 22.
@@ -70,3 +64,17 @@ def test_a_skip_entry_that_keeps_nothing_and_packed_path_widths(monkeypatch, cap
 def test_wrong_inputs_are_one_line(argv, message, capsys):
     argv = [a.replace("{tiny}", str(seed_checkpoint())) for a in argv]
     assert message in one_usage_line(cli.main(["scan", *argv]), capsys)
+
+
+def test_a_mixture_of_experts_config_is_told_its_bugs_and_its_bf16_experts(tmp_path, capsys):
+    """A full-size Qwen3-30B-A3B config: the known bugs narrow to those that can live on it (none of Gemma 4's
+    towers, clippable linears or KV sharing), and the fused experts that 4-bit leaves in bf16 are a finding."""
+    (tmp_path / "config.json").write_text((REPO_ROOT / "fixtures" / "architectures" / "qwen3moe.json").read_text())
+    _code, report = scanned(capsys, tmp_path, "--quantization", json.dumps(SEED_QUANTIZATION))
+    _code, gemma = scanned(capsys, REPO_ROOT / "fixtures" / "gemma4-e2b", "--quantization", json.dumps(SEED_QUANTIZATION))
+
+    gemma_only = {"shared_kv_redispatch", "clippable_linear_targeting", "sdpa_audio_tower", "seed_map_unknown_module"}
+    assert not gemma_only & set(report["known_bugs"]) and gemma_only & set(gemma["known_bugs"])
+    assert set(report["known_bugs"]) < set(gemma["known_bugs"])
+    (experts,) = report["findings"]["experts_not_quantized"]
+    assert experts.startswith("96 fused expert parameters") and "95% of the weights" in experts
