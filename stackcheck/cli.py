@@ -147,6 +147,7 @@ def _parser() -> argparse.ArgumentParser:
     bisect.add_argument("--git", type=absolute_path, metavar="CLONE", help="search the commits of a local clone between --good and --bad")
     bisect.add_argument("--output", type=absolute_path, help="json to write (default: results/bisect-<package>-<family>.json)")
     bisect.add_argument("--store", type=absolute_path, help=STORE_HELP)
+    bisect.add_argument("--arch", help=ARCH_HELP)
 
     history = commands.add_parser("history", help="every release of a package in a range through every family: the compatibility map")
     history.add_argument("package", help="the package to sweep; the others stay pinned to --set")
@@ -159,6 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument("--gpu", action="store_true", help="both lanes, on a GPU host (default: the CPU lane)")
     history.add_argument("--jobs", type=int, help="probes run side by side (default: one per two cores)")
     history.add_argument("--store", type=absolute_path, help=STORE_HELP)
+    history.add_argument("--arch", help=ARCH_HELP)
     history.add_argument("--output", type=absolute_path, help="the map's json, with .md and .png beside it (default: results/history-<package>.json)")
     history.add_argument("--render-only", action="store_true", help="run nothing: draw the map in --output again")
 

@@ -286,7 +286,7 @@ def run(args) -> int:
     print(f"== bisect {package} over {len(candidates)} candidates from {source}; writing {output}", flush=True)
 
     store = ProbeStore(args.store or DEFAULT_STORE)
-    prober = Prober(store, args.find_links, args.no_index)
+    prober = Prober(store, args.find_links, args.no_index, options=tuple(lane.arch_options(args.arch)))
 
     def run_cells(candidate: Candidate) -> list[dict]:
         (vset,) = resolve([base.name], [*args.overrides, candidate.pin])

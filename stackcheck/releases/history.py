@@ -316,7 +316,8 @@ def run(args) -> int:
     lane.check_ledger()
     jobs = args.jobs or default_jobs()
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    prober = Prober(ProbeStore(args.store or DEFAULT_STORE), args.find_links, args.no_index, lanes, threads)
+    prober = Prober(ProbeStore(args.store or DEFAULT_STORE), args.find_links, args.no_index, lanes, threads,
+                    tuple(lane.arch_options(args.arch)))
     sets = {c.label: resolve([base.name], [c.pin])[0] for c in candidates}
     sweep = {"package": package, "from": candidates[0].label, "to": candidates[-1].label, "base": base.name, "overrides": args.overrides,
              "families": families, "lanes": list(lanes), "platform": prober.key(sets[candidates[0].label])["platform"],

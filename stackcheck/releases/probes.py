@@ -38,11 +38,14 @@ def probe_platform(lanes: tuple[str, ...]) -> dict[str, str]:
     return facts
 
 
-def probe_key(vset: VersionSet, lanes: tuple[str, ...]) -> dict:
+def probe_key(vset: VersionSet, lanes: tuple[str, ...], options: tuple[str, ...] = ()) -> dict:
+    """What a probe's cells depend on besides the family definitions: the environment, the platform facts that
+    choose a code path, the lanes and the pytest options (the architectures under test, `lane.arch_options`)."""
     requirements, inherit = envs.environment_requirements(vset)
     if inherit:  # the host's torch, whose version then belongs to the key
         requirements = [f"torch=={importlib.metadata.version('torch')} (the host's)", *requirements]
-    return {"requirements": sorted(requirements), "platform": probe_platform(lanes), "lanes": sorted(lanes)}
+    return {"requirements": sorted(requirements), "platform": probe_platform(lanes), "lanes": sorted(lanes),
+            "options": list(options)}
 
 
 @dataclass
@@ -120,13 +123,14 @@ class Prober:
     """Runs sets through families in `lanes`, or answers from the store when it holds the probe."""
 
     def __init__(self, store: ProbeStore | None, find_links=(), no_index: bool = False, lanes: tuple[str, ...] = ("cpu",),
-                 threads: int | None = None):
+                 threads: int | None = None, options: tuple[str, ...] = ()):
         self.store, self.find_links, self.no_index, self.lanes = store, list(find_links), no_index, lanes
+        self.options = tuple(options)  # pytest options of every probe: the architectures (`lane.arch_options`)
         # Each probe's CPU threads (OMP_NUM_THREADS, which torch follows); None leaves torch's default.
         self.threads = threads
 
     def key(self, vset: VersionSet) -> dict:
-        return probe_key(vset, self.lanes)
+        return probe_key(vset, self.lanes, self.options)
 
     def stored(self, label: str, vset: VersionSet, families: list[str]) -> Probe | None:
         return self.store.probe(self.key(vset), label, families) if self.store else None
@@ -148,7 +152,7 @@ class Prober:
         with tempfile.TemporaryDirectory(prefix="stackcheck-probe-") as scratch:
             matrix = Path(scratch) / "matrix.json"
             cells, costs = lane.run_timed(vset, lane.family_targets(families), matrix, self.find_links, self.no_index,
-                                          lanes=self.lanes, env=env)
+                                          lanes=self.lanes, env=env, options=list(self.options))
             installed = {k: v for k, v in results.load(matrix)["sets"].get(vset.name, {}).items() if k != "platform"}
         if environment is not None:
             costs |= {"environment": environment, "total": costs["total"] - costs["environment"] + environment}

@@ -36,7 +36,7 @@ def runner(monkeypatch, tmp_path):
     `crash_at` makes one probe raise as a crashed sweep would."""
     state = {"calls": [], "crash_at": None}
 
-    def run_timed(vset, targets, results_path, find_links=(), no_index=False, baseline=None, lanes=("cpu",), env=None):
+    def run_timed(vset, targets, results_path, find_links=(), no_index=False, baseline=None, lanes=("cpu",), env=None, options=()):
         version = vset.pins["transformers"].version
         if version == state["crash_at"]:
             raise KeyboardInterrupt
