@@ -21,7 +21,7 @@ those projections: `gemma4_uncached_kv_sharing`). PEFT leaves them out, and the 
 
 Precondition proven: training really changed the outputs (the adapter differs from the base).
 
-Tolerance: 0.01 relative logit error, and the same greedy tokens. Measured on the CPU, seed and latest: the
+Tolerance: 0.01 relative logit error, and the same greedy tokens where they are decisive (`scenario.assert_decodes_alike`). Measured on the CPU, seed and latest: the
 round trip is exact (0.0000). Without the preparation the fresh base keeps in bf16 what
 `prepare_model_for_kbit_training` upcast to fp32 for training (norms, embeddings), and that alone moves the
 logits by 0.0192 (seed) and 0.0168 (latest): comparing like with like is what lets 0.01 catch a lost module.
@@ -54,21 +54,21 @@ def test_trained_adapter_reloads_onto_a_fresh_4bit_base(under_test, prompt, tmp_
         base_logits = scenario.logits(model.eval(), prompt)
     scenario.train_steps(under_test, model.train(), torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2), 5)
     model.eval()
-    trained_logits, trained_tokens = scenario.logits(model, prompt), scenario.greedy(model, prompt)
+    trained_logits, trained_decode = scenario.logits(model, prompt), scenario.decode(model, prompt)
     scenario.require_adapter_changes(trained_logits, base_logits, "the trained model")
     model.save_pretrained(tmp_path)
     saved, trained = load_file(tmp_path / "adapter_model.safetensors"), scenario.lora_tensors(model)
     del model
     assert len(saved) == len(trained), f"the saved adapter holds {len(saved)} tensors, the trained model {len(trained)}"
     adapter_exchange.export(tmp_path, request.config.stackcheck_versions, tiny.base_checkpoint(under_test.arch), base_logits,
-                            trained_logits, trained_tokens)
+                            trained_logits, trained_decode.tokens)
 
     loaded = reload_for_training(under_test, tmp_path)
 
     logits = scenario.logits(loaded, prompt)
     error = scenario.relative_error(logits, trained_logits)
     scenario.assert_within("the reloaded adapter's logits diverge from the trained model's: relative error", error, ROUND_TRIP_TOLERANCE)
-    assert scenario.greedy(loaded, prompt) == trained_tokens
+    scenario.assert_decodes_alike(loaded, prompt, trained_decode, "the reloaded adapter decodes otherwise")
 
 
 # CPU lane only: module names and the adapter's values do not depend on the device, and on a GPU the sets'

@@ -10,9 +10,12 @@ Precondition proven: the adapter changes the logits (so parity is not trivially 
 really is 4-bit (or bf16 for the control), and `dequantize()` really removed every bnb Linear4bit.
 
 Tolerance: the merged model must keep the adapter's effect, i.e. ||merged - adapter|| <= 10% of
-||adapter - base|| on the prompt's logits, and produce the same greedy tokens. Measured on the tiny model
-(CPU, seed and latest): the bf16 merge lands at 3.4% (bf16 rounding of W + dW), the 4-bit merge at 55%
-(NF4 re-quantization); 10% sits three times above the bf16 floor and far below the 4-bit loss.
+||adapter - base|| on the prompt's logits, and produce the same greedy tokens where the adapter's choice is
+decisive (`scenario.assert_decodes_alike`). Measured on the tiny Gemma 4 (CPU, seed and latest): the bf16 merge
+lands at 3.4% (bf16 rounding of W + dW), the 4-bit merge at 55% (NF4 re-quantization); 10% sits three times above
+the bf16 floor and far below the 4-bit loss. On the other dense architectures the 4-bit merge measures 13% to 29%
+(the ledger's band); on the tiny Gemma 3 the adapter's first step wins by one bf16 step, which the bf16 merge swaps
+(a near-tie, skipped: measured in fp32, adapter and merge decode alike).
 """
 from stackcheck import scenario
 
@@ -29,33 +32,32 @@ def adapter_outputs(under_test, quantized: bool, prompt):
     model = scenario.peft_load(under_test, base, "language")
     adapter_logits = scenario.logits(model, prompt)
     scenario.require_adapter_changes(adapter_logits, base_logits, "the language model")
-    return model, base_logits, adapter_logits, scenario.greedy(model, prompt)
+    return model, base_logits, adapter_logits, scenario.decode(model, prompt)
 
 
-def assert_merge_parity(label, merged, prompt, base_logits, adapter_logits, adapter_tokens):
+def assert_merge_parity(label, merged, prompt, base_logits, adapter_logits, adapter_decode):
     merged_logits = scenario.logits(merged, prompt)
     error = ((merged_logits - adapter_logits).norm() / (adapter_logits - base_logits).norm()).item()
     scenario.assert_within(f"{label} merge diverges: relative logit error", error, RELATIVE_TOLERANCE)
-    tokens = scenario.greedy(merged, prompt)
-    assert tokens == adapter_tokens, f"{label} merge diverges: greedy tokens {tokens} != adapter's {adapter_tokens}"
+    scenario.assert_decodes_alike(merged, prompt, adapter_decode, f"{label} merge diverges from the adapter")
 
 
 def test_merge_into_4bit_base_reproduces_adapter_outputs(under_test, prompt):
-    model, base_logits, adapter_logits, adapter_tokens = adapter_outputs(under_test, True, prompt)
+    model, base_logits, adapter_logits, adapter_decode = adapter_outputs(under_test, True, prompt)
     merged = model.merge_and_unload()
-    assert_merge_parity("4-bit", merged, prompt, base_logits, adapter_logits, adapter_tokens)
+    assert_merge_parity("4-bit", merged, prompt, base_logits, adapter_logits, adapter_decode)
 
 
 def test_merge_into_bf16_base_reproduces_adapter_outputs(under_test, prompt):
     """The control: a failure here is a new_failure, since the seed's bf16 merge restores parity."""
-    model, base_logits, adapter_logits, adapter_tokens = adapter_outputs(under_test, False, prompt)
+    model, base_logits, adapter_logits, adapter_decode = adapter_outputs(under_test, False, prompt)
     merged = model.merge_and_unload()
-    assert_merge_parity("bf16", merged, prompt, base_logits, adapter_logits, adapter_tokens)
+    assert_merge_parity("bf16", merged, prompt, base_logits, adapter_logits, adapter_decode)
 
 
 def test_dequantize_then_merge_reproduces_adapter_outputs(under_test, prompt):
-    model, base_logits, adapter_logits, adapter_tokens = adapter_outputs(under_test, True, prompt)
+    model, base_logits, adapter_logits, adapter_decode = adapter_outputs(under_test, True, prompt)
     model.dequantize()
     scenario.require(not scenario.linear4bit_modules(model), "dequantize() left bnb Linear4bit modules in place")
     merged = model.merge_and_unload()
-    assert_merge_parity("dequantized", merged, prompt, base_logits, adapter_logits, adapter_tokens)
+    assert_merge_parity("dequantized", merged, prompt, base_logits, adapter_logits, adapter_decode)
