@@ -65,6 +65,10 @@ class Architecture:
     # that a broken fixture errors instead of turning its cells not_applicable; None for a user's config.
     declared: frozenset[str] | None = None
 
+    def __post_init__(self) -> None:  # a repro script rebuilds it from JSON, where the set is a list
+        if self.declared is not None:
+            object.__setattr__(self, "declared", frozenset(self.declared))
+
     @property
     def model_type(self) -> str:
         return self.config["model_type"]

@@ -82,7 +82,7 @@ def _cache_dir(model: str, texts: tuple[str, ...]) -> Path:
 
 def _arch_cache_dir(arch: Architecture) -> Path:
     """One cache folder per (architecture, transformers version), keyed by its config and the adapters."""
-    return _cache_dir(f"tiny-{arch.name}", (arch.digest_text(), (FIXTURES_DIR / "adapters.json").read_text()))
+    return _cache_dir(f"tiny-{arch.name}", (arch.digest_text(), json.dumps(_fixture("adapters.json"), sort_keys=True)))
 
 
 def tiny_config(arch: Architecture):
