@@ -94,6 +94,7 @@ def test_int8_layer_computes_the_same_after_its_offload_hook_detaches(under_test
 
 
 @pytest.mark.gpu
+@pytest.mark.needs("vision_tower", "audio_tower")  # the seed's split map sends the towers to the CPU
 def test_int8_split_base_generates_after_peft_redispatch(under_test, offload_dir, prompt):
     """Seed 002's 8-bit load: the seed's split map with fp32 CPU offload, the adapter loaded under memory
     pressure, against the same adapter on the base loaded onto the GPU whole."""
