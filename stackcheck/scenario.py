@@ -538,6 +538,15 @@ def lora_wrapped(model) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
 
 
+def lora_on_unquantized_weights(model) -> list[str]:
+    """The LoRA layers of `model` whose base is no bnb 4-bit layer (PEFT's ParamWrapper on fused experts, say)."""
+    import bitsandbytes as bnb
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [name for name, m in model.named_modules()
+            if isinstance(m, BaseTunerLayer) and not isinstance(m.get_base_layer(), bnb.nn.Linear4bit)]
+
+
 def lora_tensors(model) -> list[str]:
     return [name for name, _ in model.named_parameters() if "lora_" in name]
 
