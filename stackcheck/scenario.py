@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import pytest
 import torch
 
 from stackcheck import hostinfo
@@ -34,6 +35,8 @@ TRAINING_IDS = [PROMPT_IDS[0] + [3, 17, 99, 45]]
 SEED_USER_DEVICE_MAP = {"model.vision_tower": "cpu", "model.multi_modal_projector": "cpu", "model.audio_tower": "cpu", "": 0}
 SEED_SPLIT_DEVICE_MAP = {"model.vision_tower": "cpu", "model.audio_tower": "cpu", "": 0}
 TOWERS = ("model.vision_tower", "model.audio_tower")
+# The base in bf16 (the control) and in NF4 with double quant, for the tests that run on both.
+QUANTIZATION = pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "nf4"])
 # The `llm_int8_skip_modules` that keeps the towers in bf16: the towers, their projectors (Gemma 4's
 # `embed_vision` and `embed_audio`) and, because any list replaces transformers' defaults, the tied head.
 TOWER_SKIP_MODULES = ["model.vision_tower", "model.embed_vision", "model.audio_tower", "model.embed_audio", "lm_head"]

@@ -26,14 +26,12 @@ full forward stays under 16 tokens: from 16 query tokens torch's CPU bf16 attent
 by 1.4 to 2.3% without any bug (eager and fp32 give 1e-6).
 """
 
-import pytest
 import torch
 
 from stackcheck import scenario
 
 CACHE_TOLERANCE = 0.01
 NEW_TOKENS = 6  # prompt (8) + new tokens stays under the 16 query tokens where torch's CPU attention switches kernels
-QUANTIZATION = pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "nf4"])
 
 
 def adapted_model(under_test, quantized: bool):
@@ -54,7 +52,7 @@ def assert_cache_parity(what: str, error: float) -> None:
     scenario.assert_within(f"{what}: relative error", error, CACHE_TOLERANCE)
 
 
-@QUANTIZATION
+@scenario.QUANTIZATION
 def test_forward_without_cache_matches_cached_forward(under_test, quantized, prompt):
     model = adapted_model(under_test, quantized)
 
@@ -67,7 +65,7 @@ def test_forward_without_cache_matches_cached_forward(under_test, quantized, pro
                         scenario.relative_error(uncached, cached.logits.float().cpu()))
 
 
-@QUANTIZATION
+@scenario.QUANTIZATION
 @torch.no_grad()
 def test_generate_cached_logits_match_full_forward(under_test, quantized, prompt):
     """`generate`'s logits, computed token by token from its cache, against one forward of the same sequence

@@ -78,10 +78,7 @@ def assert_none_moved(moved: dict[str, tuple[str, str]], total: int, where: str,
     assert not moved, f"PEFT's redispatch moved {len(moved)} of {total} base parameters {where} the base's hf_device_map {base_map}: {example}"
 
 
-QUANTIZATION = pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "nf4"])
-
-
-@QUANTIZATION
+@scenario.QUANTIZATION
 @pytest.mark.parametrize("keep_base_map", [False, True], ids=["no_placement_kwargs", "prefixed_base_map"])
 def test_peft_load_keeps_the_base_placement(under_test, quantized, keep_base_map, offload_dir):
     """Without placement kwargs, as the seed user loaded; and the control, the base's map handed to PEFT in
@@ -96,7 +93,7 @@ def test_peft_load_keeps_the_base_placement(under_test, quantized, keep_base_map
 
 @pytest.mark.gpu
 @pytest.mark.gpus(2)
-@QUANTIZATION
+@scenario.QUANTIZATION
 def test_peft_load_uses_no_gpu_outside_the_base_map(under_test, quantized, offload_dir):
     """Seed 001's second GPU: the base maps nothing to cuda:1, so nothing may land there."""
     before, model, base_map = redispatched_by_peft(under_test, quantized, offload_dir)

@@ -25,8 +25,6 @@ from stackcheck import scenario
 
 pytestmark = pytest.mark.needs("kv_sharing")
 
-QUANTIZATION = pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "nf4"])
-
 
 def assert_redispatched_generation_matches_undispatched(under_test, quantized, prompt, offload_dir, redispatch_options) -> None:
     """`redispatch_options(base)` gives the PEFT load kwargs that make it redispatch the split base."""
@@ -50,7 +48,7 @@ def assert_redispatched_generation_matches_undispatched(under_test, quantized, p
     scenario.assert_decodes_alike(model, prompt, reference_decode, "the redispatched model decodes otherwise")
 
 
-@QUANTIZATION
+@scenario.QUANTIZATION
 def test_generate_after_peft_redispatch_matches_undispatched(under_test, quantized, offload_dir, prompt):
     assert_redispatched_generation_matches_undispatched(
         under_test, quantized, prompt, offload_dir, lambda base: {"max_memory": scenario.memory_pressure(under_test, base)}
@@ -58,7 +56,7 @@ def test_generate_after_peft_redispatch_matches_undispatched(under_test, quantiz
 
 
 @pytest.mark.gpu
-@QUANTIZATION
+@scenario.QUANTIZATION
 def test_generate_after_peft_load_with_base_device_map_matches_all_gpu(under_test, quantized, offload_dir, prompt):
     """Seed 001's variant: the base's own device map handed to PEFT, no memory pressure."""
     assert_redispatched_generation_matches_undispatched(
