@@ -480,10 +480,15 @@ def decode(model, input_ids: torch.Tensor, new_tokens: int = 6) -> Decode:
 
 
 @torch.no_grad()
-def assert_decodes_alike(model, input_ids: torch.Tensor, reference: Decode, what: str) -> None:
+def assert_decodes_alike(model, input_ids: torch.Tensor, reference: Decode, what: str, beside_logits: bool = False) -> None:
     """`model` decodes as `reference` did wherever the reference's choice was decisive: its own greedy tokens
     (generate, with the cache) until the reference's first near-tie, and, fed the reference's tokens, the same
-    winner at every decisive step. A reference without one decisive step proves nothing: not reached."""
+    winner at every decisive step. A reference without one decisive step proves nothing: not reached, unless the
+    test compares the logits too (`beside_logits`), which then decide alone. Measured: after the round trip's
+    training the tiny Mixtral repeats one token at near-ties on this machine (torch 2.13) and decisively on the
+    H100 host's CPU (torch 2.11)."""
+    if beside_logits and not any(reference.decisive):
+        return
     require(any(reference.decisive), f"every step of the reference decode {reference.tokens} is a near-tie")
     tokens = greedy(model, input_ids, len(reference.tokens))
     prefix = reference.decisive.index(False) if False in reference.decisive else len(reference.tokens)

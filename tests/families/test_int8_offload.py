@@ -110,4 +110,4 @@ def test_int8_split_base_generates_after_peft_redispatch(under_test, offload_dir
     offloaded = [name for name, m in int8_layers(model).items() if m.weight.device.type == "meta"]
     scenario.require(offloaded, "PEFT's redispatch kept every 8-bit layer on the GPU")
     torch.testing.assert_close(scenario.logits(model, prompt), reference_logits, rtol=0, atol=1e-2)
-    scenario.assert_decodes_alike(model, prompt, reference_decode, "the redispatched 8-bit model decodes otherwise")
+    scenario.assert_decodes_alike(model, prompt, reference_decode, "the redispatched 8-bit model decodes otherwise", beside_logits=True)

@@ -39,7 +39,7 @@ def assert_merge_parity(label, merged, prompt, base_logits, adapter_logits, adap
     merged_logits = scenario.logits(merged, prompt)
     error = ((merged_logits - adapter_logits).norm() / (adapter_logits - base_logits).norm()).item()
     scenario.assert_within(f"{label} merge diverges: relative logit error", error, RELATIVE_TOLERANCE)
-    scenario.assert_decodes_alike(merged, prompt, adapter_decode, f"{label} merge diverges from the adapter")
+    scenario.assert_decodes_alike(merged, prompt, adapter_decode, f"{label} merge diverges from the adapter", beside_logits=True)
 
 
 def test_merge_into_4bit_base_reproduces_adapter_outputs(under_test, prompt):

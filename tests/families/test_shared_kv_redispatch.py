@@ -45,7 +45,7 @@ def assert_redispatched_generation_matches_undispatched(under_test, quantized, p
     scenario.require(any(crossings), "no shared_kv_states kwarg reached a hooked KV-shared layer")
 
     torch.testing.assert_close(logits, reference_logits, rtol=0, atol=1e-2)
-    scenario.assert_decodes_alike(model, prompt, reference_decode, "the redispatched model decodes otherwise")
+    scenario.assert_decodes_alike(model, prompt, reference_decode, "the redispatched model decodes otherwise", beside_logits=True)
 
 
 @scenario.QUANTIZATION
