@@ -8,8 +8,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, bench_compare, bench_report, doctor, envs, gate, repro, results, scan, wheelhouse
+from stackcheck import REPO_ROOT, bench_compare, bench_report, envs, gate, results, wheelhouse
 from stackcheck.releases import bisect, history
+from stackcheck.triage import doctor, repro, scan
 from stackcheck.releases import watch as watch_module
 from stackcheck.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, check_ledger, record_unbuildable, run_pytest
 from stackcheck.ledger import LedgerError

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from stackcheck import cli, doctor, versions
+from stackcheck import cli, versions
+from stackcheck.triage import doctor
 from stackcheck.ledger import Ledger
 from tests.harness.test_usage_errors import one_usage_line
 

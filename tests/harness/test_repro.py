@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stackcheck import cli, repro, repro_script
+from stackcheck import cli
+from stackcheck.triage import repro, repro_script
 from stackcheck.ledger import Ledger
 from stackcheck.versions import default_set, installed_versions
 from tests.harness.test_usage_errors import one_usage_line

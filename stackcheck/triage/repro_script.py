@@ -5,7 +5,7 @@ module-level definitions of its family module it uses, and the transitive closur
 and `hostinfo` definitions they call. The helpers call each other by bare name; the test reaches them through
 `scenario.x` as in our code (a namespace per module). The tiny fixtures travel inline (`FIXTURES`), and the
 tiny checkpoints are built in a temporary folder instead of stackcheck's cache. The test's parameters come from
-pytest's own collection (`stackcheck.repro`); its fixtures are the few the families use (`FIXTURE_VALUES`).
+pytest's own collection (`stackcheck.triage.repro`); its fixtures are the few the families use (`FIXTURE_VALUES`).
 So the script calls the libraries exactly as the family test does.
 """
 

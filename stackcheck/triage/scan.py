@@ -17,9 +17,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, doctor, hostinfo
+from stackcheck import REPO_ROOT, hostinfo
 from stackcheck.ledger import Ledger
 from stackcheck.models import architectures
+from stackcheck.triage import doctor
 from stackcheck.versions import UsageError, installed_versions
 
 # Set in the scan that `--python` starts in the other interpreter: that one scans in-process.

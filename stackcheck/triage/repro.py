@@ -1,13 +1,13 @@
 """`stackcheck repro`: an issue-ready folder for a failing cell, checked by running it.
 
 For each cell (a set and a family test id, or every failing cell of a matrix.json) it writes
-`<output>/<set>/<test>/` with `repro.py` (stackcheck.repro_script: standalone, no stackcheck import),
+`<output>/<set>/<test>/` with `repro.py` (stackcheck.triage.repro_script: standalone, no stackcheck import),
 `environment.md` (the versions and platform facts the verdict was recorded with) and `issue.md` (title,
 script, trace tail, expected against actual, the ledger's upstream references, and the library the evidence
 points at). Then it runs `repro.py` in the cell's own environment and says whether it fails with the cell's
 signature (its exception type and first message line); `check.txt` keeps that run's output.
 
-Loaded by pytest as a plugin (`-p stackcheck.repro`), it writes a test's parameters and fixtures for the script.
+Loaded by pytest as a plugin (`-p stackcheck.triage.repro`), it writes a test's parameters and fixtures for the script.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, envs, lane, repro_script, results
+from stackcheck import REPO_ROOT, envs, lane, results
 from stackcheck.ledger import KNOWN_BUG, NEW_FAILURE, Ledger
 from stackcheck.results import family_of, lane_of
+from stackcheck.triage import repro_script
 from stackcheck.versions import PACKAGES, UsageError, VersionSet, default_set, resolve, slug
 
 FAILING = (KNOWN_BUG, NEW_FAILURE)
@@ -118,7 +119,7 @@ def run_cells(python: Path, cell_set: VersionSet, test: lane.TestId, scratch: Pa
 def collected(python: Path, test: str, scratch: Path) -> dict:
     out = scratch / "params.json"
     out.unlink(missing_ok=True)
-    subprocess.run([str(python), "-m", "pytest", test, "--collect-only", "-q", "-p", "stackcheck.repro"], cwd=REPO_ROOT,
+    subprocess.run([str(python), "-m", "pytest", test, "--collect-only", "-q", "-p", "stackcheck.triage.repro"], cwd=REPO_ROOT,
                    env=dict(os.environ, **{PARAMS_ENV: str(out)}, HF_HUB_OFFLINE="1"), capture_output=True)
     if not out.exists():
         raise UsageError(f"pytest collects no single test {test}")
