@@ -8,7 +8,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, bench_compare, bench_report, envs, gate, results, wheelhouse
+from stackcheck import REPO_ROOT, envs, gate, results, wheelhouse
+from stackcheck.bench import compare as bench_compare, report as bench_report
 from stackcheck.releases import bisect, history
 from stackcheck.triage import doctor, repro, scan
 from stackcheck.releases import watch as watch_module

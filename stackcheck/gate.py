@@ -15,7 +15,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stackcheck import REPO_ROOT, bench_compare, lane, results
+from stackcheck import REPO_ROOT, lane, results
+from stackcheck.bench import compare as bench_compare
 from stackcheck.ledger import ERROR, FIXED, NEW_FAILURE, NOT_AFFECTED, PASS
 from stackcheck.progress import Progress
 from stackcheck.versions import PACKAGES, UsageError, default_set, resolve

@@ -1,4 +1,4 @@
-"""VRAM and tokens/s of every bench case (stackcheck.bench.CASES) on the tiny and the realistic model.
+"""VRAM and tokens/s of every bench case (stackcheck.bench.harness.CASES) on the tiny and the realistic model.
 
 Each (size, case) is loaded once, under its memory tracker, and shared by its benchmarks. An inference case
 runs, in this order: prefill (the prompt's forward), decode (`new_tokens` greedy eager steps after an
@@ -10,13 +10,13 @@ the batch's tokens over the step's time, its memory peaks those of the load, the
 step's activations. pytest-benchmark times each over warm-up and timed rounds through bench.timed, which
 returns only once the GPU is done. With --stackcheck-bench-repeat N, the 4-bit decode is measured N more
 times in each mode, for its coefficient of variation. Numbers are recorded, never asserted:
-stackcheck.bench_compare judges them against a baseline set.
+stackcheck.bench.compare judges them against a baseline set.
 """
 
 import pytest
 
-from stackcheck import bench
-from stackcheck.bench_plugin import bench_sizes, record_not_measured
+from stackcheck.bench import harness as bench
+from stackcheck.bench.plugin import bench_sizes, record_not_measured
 
 pytestmark = pytest.mark.benchmark
 

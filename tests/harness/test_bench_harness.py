@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stackcheck import REPO_ROOT, bench, bench_compare, bench_report, cli, gate, scenario
+from stackcheck import REPO_ROOT, cli, gate, scenario
+from stackcheck.bench import harness as bench
+from stackcheck.bench import compare as bench_compare, report as bench_report
 from stackcheck.models import tiny
 from stackcheck.versions import UsageError
 

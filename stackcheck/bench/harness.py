@@ -1,6 +1,6 @@
 """Benchmark harness: the cases and model sizes, loading a case, the timing helper, the memory tracker,
 weight sizes, the decode roofline's bytes per token and the QLoRA training step. What it measures lands in
-the bench JSON described in stackcheck.bench_compare, which reads and compares it without torch.
+the bench JSON described in stackcheck.bench.compare, which reads and compares it without torch.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from stackcheck import scenario
 from stackcheck.models import tiny
-from stackcheck.bench_compare import SYNTHETIC_SLOWDOWN_ENV
+from stackcheck.bench.compare import SYNTHETIC_SLOWDOWN_ENV
 from stackcheck.versions import UsageError
 
 # HBM bandwidth from NVIDIA's datasheets, by device-name fragment, first match wins ("H100" alone is

@@ -47,7 +47,9 @@ def bench_device(request: pytest.FixtureRequest):
     """The GPU, or in smoke mode without one the CPU, with the copy bandwidth measured on it once."""
     import torch
 
-    from stackcheck import bench, hostinfo
+    from stackcheck import hostinfo
+
+    from stackcheck.bench import harness as bench
 
     device = bench.bench_device()
     if device.type == "cpu":
@@ -68,7 +70,9 @@ def bench_device(request: pytest.FixtureRequest):
 def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json: dict) -> None:
     import torch
 
-    from stackcheck import bench, hostinfo
+    from stackcheck import hostinfo
+
+    from stackcheck.bench import harness as bench
     from stackcheck.versions import installed_versions
 
     output_json["stackcheck"] = {

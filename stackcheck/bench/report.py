@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from stackcheck import bench_compare
+from stackcheck.bench import compare as bench_compare
 
 MIB = 1 << 20
 
@@ -17,7 +17,7 @@ def _number(value: float, scale: float = 1) -> str:
     return f"{value / scale:,.1f}"
 
 
-# (metric, title, unit, scale: value / scale is in `unit`); the memory keys are stackcheck.bench.MemoryTracker's.
+# (metric, title, unit, scale: value / scale is in `unit`); the memory keys are stackcheck.bench.harness.MemoryTracker's.
 METRICS = (
     ("decode_graph_tokens_per_s", "Decode tokens/s replayed from a CUDA graph (batch 1, the GPU's time)", "tokens/s", 1),
     ("decode_tokens_per_s", "Decode tokens/s, eager as generate() runs it (batch 1, host-bound)", "tokens/s", 1),
@@ -82,7 +82,7 @@ def _gate(runs: dict[str, dict], baseline: str) -> list[str]:
         f"{t.metric} ratio {'<' if t.higher_is_better else '>'} {t.limit} fails ({'/'.join(t.sizes)} on {'/'.join(t.devices)})"
         for t in bench_compare.THRESHOLDS
     )
-    lines = ["## Gate", "", f"Thresholds (stackcheck.bench_compare.THRESHOLDS): {rules}.", ""]
+    lines = ["## Gate", "", f"Thresholds (stackcheck.bench.compare.THRESHOLDS): {rules}.", ""]
     for name, run in runs.items():
         if name == baseline:
             continue

@@ -5,7 +5,7 @@ A bench JSON is pytest-benchmark's `--benchmark-json` output of tests/benchmarks
 case, phase) whose `stats` are seconds per timed round (median, IQR, ...) and whose `extra_info` holds
 what a round produced or, for the training step, took in (tokens), memory, parameters, weight bytes
 and, for decode, the weight bytes read per token; plus a top-level `stackcheck` block (set, versions,
-device, mode, bandwidth, synthetic slowdown) written by stackcheck.bench_plugin.
+device, mode, bandwidth, synthetic slowdown) written by stackcheck.bench.plugin.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from stackcheck.results import read_checked_json
 
-# The test-only switch read by stackcheck.bench.timed; see stackcheck.bench.synthetic_slowdown.
+# The test-only switch read by stackcheck.bench.harness.timed; see stackcheck.bench.harness.synthetic_slowdown.
 SYNTHETIC_SLOWDOWN_ENV = "STACKCHECK_BENCH_SYNTHETIC_SLOWDOWN"
 
 
