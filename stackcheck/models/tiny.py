@@ -48,6 +48,10 @@ class NotApplicable(Exception):
     reads `not_applicable`, with the reason, never missing and never a pass."""
 
 
+# The adapters.json value that stands for PEFT's own default targets for the model type.
+PEFT_DEFAULT_TARGETS = "peft-default"
+
+
 def adapter_spec(arch: Architecture, name: str) -> dict:
     """The adapter fixture `name` of `arch` (fixtures/adapters.json): the seed's Gemma 4 has its own
     hand-written targets; every other architecture takes what users take, PEFT's default targets for the
@@ -62,9 +66,6 @@ def adapter_spec(arch: Architecture, name: str) -> dict:
 
         spec["target_modules"] = defaults.get(arch.model_type, "all-linear")
     return spec
-
-
-PEFT_DEFAULT_TARGETS = "peft-default"
 
 
 def cache_root() -> Path:
