@@ -106,14 +106,14 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stackcheck_architectures = architectures.resolve(config.getoption("--stackcheck-arch"))
     except architectures.ArchitectureError as exc:
         raise pytest.UsageError(str(exc)) from None
+    config.stackcheck_arch_names = [arch.name for arch in config.stackcheck_architectures]
     config.stackcheck_versions = installed_versions()
     config.stackcheck_platform = hostinfo.platform_facts()
     if config.getoption("--stackcheck-timing") and not hasattr(config, "workerinput"):
         config.pluginmanager.register(Timing(Path(config.getoption("--stackcheck-timing"))), "stackcheck-timing")
     path = config.getoption("--stackcheck-results")
     if path and not hasattr(config, "workerinput"):  # the xdist controller (or a plain run) owns the file
-        recorder = Recorder(Path(path), config.getoption("--stackcheck-set"), config.stackcheck_lanes,
-                            [arch.name for arch in config.stackcheck_architectures])
+        recorder = Recorder(Path(path), config.getoption("--stackcheck-set"), config.stackcheck_lanes, config.stackcheck_arch_names)
         results.record_set(recorder.path, recorder.set_name, config.stackcheck_versions, config.stackcheck_platform)
         config.pluginmanager.register(recorder, "stackcheck-recorder")
 
@@ -198,7 +198,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if family:
             by_family.setdefault(family, []).append(item)
     # A run narrowed to some architectures does not collect the tests a pattern for another one names.
-    every_architecture = {arch.name for arch in config.stackcheck_architectures} >= set(architectures.builtin())
+    every_architecture = set(config.stackcheck_arch_names) >= set(architectures.builtin())
     try:
         ledger.check_modules(family_modules())
         for family, family_items in by_family.items():
@@ -248,7 +248,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 def _cell(config: pytest.Config, family: str, nodeid: str, judgement: Judgement) -> dict:
     return {
         "set": config.getoption("--stackcheck-set"), "family": family, "test": nodeid, "lane": lane_of(nodeid),
-        "arch": arch_of(nodeid, [arch.name for arch in config.stackcheck_architectures]),
+        "arch": arch_of(nodeid, config.stackcheck_arch_names),
         "verdict": str(judgement.verdict), "signature": judgement.signature, "bug": judgement.bug, "note": judgement.note,
     }
 
