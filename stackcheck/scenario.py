@@ -90,18 +90,31 @@ def require(condition: object, what: str) -> None:
 
 class ToleranceExceeded(AssertionError):
     """A measured value past its tolerance. The ledger files it under a numeric known bug only when
-    `measured` is finite and inside the band that bug was measured at."""
+    `measured` is finite and inside the band that bug was measured at.
 
-    def __init__(self, what: str, measured: float, tolerance: float):
-        self.measured = measured
-        super().__init__(f"{what} {measured:.4f} > {tolerance}")
+    Where the value past the tolerance depends on the model's size or scale (a merge's logit error depends on how
+    large the adapter is against the NF4 step), the test also names the quantity its bug's mechanism fixes
+    (`judged_by`); that one is `measured`, and the ledger's band is over it."""
+
+    def __init__(self, what: str, value: float, tolerance: float, judged_by: tuple[str, float] | None = None):
+        self.measured = value if judged_by is None else judged_by[1]
+        explained = "" if judged_by is None else f" ({judged_by[0]} {judged_by[1]:.4f})"
+        super().__init__(f"{what} {value:.4f} > {tolerance}{explained}")
 
 
-def assert_within(what: str, measured: float, tolerance: float) -> None:
+def assert_within(what: str, measured: float, tolerance: float, judged_by: tuple[str, float] | None = None) -> None:
     # Captured by pytest: shown for a failure, and for a pass with `-rP`, so passing margins can be reported too.
-    print(f"stackcheck measured: {what} {measured:.4f} (tolerance {tolerance})")
+    explained = "" if judged_by is None else f"; {judged_by[0]} {judged_by[1]:.4f}"
+    print(f"stackcheck measured: {what} {measured:.4f} (tolerance {tolerance}){explained}")
     if not measured <= tolerance:  # written so that NaN fails too
-        raise ToleranceExceeded(what, measured, tolerance)
+        raise ToleranceExceeded(what, measured, tolerance, judged_by)
+
+
+def effect_kept(changed: torch.Tensor, reference: torch.Tensor, before: torch.Tensor) -> float:
+    """How much of the change `before -> reference` the change `before -> changed` carries along its direction:
+    1 when it is all there, 0 when none of it is. Error that is not along the change (noise) does not count."""
+    effect, carried = (reference - before).float().flatten(), (changed - before).float().flatten()
+    return (carried @ effect / (effect @ effect)).item()
 
 
 def relative_error(measured: torch.Tensor, reference: torch.Tensor) -> float:
