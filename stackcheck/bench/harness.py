@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from stackcheck import scenario
-from stackcheck.models import tiny
+from stackcheck.models import footprint, tiny
 from stackcheck.bench.compare import SYNTHETIC_SLOWDOWN_ENV
 from stackcheck.versions import UsageError
 
@@ -299,16 +299,12 @@ class MemoryTracker:
 
 
 def expected_param_bytes(param: torch.Tensor) -> int:
-    """The weight-size arithmetic: NF4 packs two 4-bit values a byte and keeps one absmax per 64-value
-    block, fp32 (4 bytes), or with double quant 8-bit (1 byte) plus one fp32 absmax per 256 of those;
-    any other parameter (embeddings, norms, lm_head, LoRA) is numel x its dtype's size."""
+    """The weight-size arithmetic (`footprint.nf4_bytes`) for a 4-bit weight; any other parameter (embeddings,
+    norms, lm_head, LoRA) is numel x its dtype's size."""
     state = getattr(param, "quant_state", None)
     if state is None:
         return param.numel() * param.element_size()
-    values = state.shape.numel()
-    blocks = math.ceil(values / state.blocksize)
-    absmax = blocks + 4 * math.ceil(blocks / state.state2.blocksize) if state.nested else 4 * blocks
-    return math.ceil(values / 2) + absmax
+    return footprint.nf4_bytes(state.shape.numel(), state.blocksize, state.nested, state.state2.blocksize if state.nested else 0)
 
 
 def stored_bytes(param: torch.Tensor) -> int:

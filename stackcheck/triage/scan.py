@@ -19,7 +19,7 @@ from pathlib import Path
 
 from stackcheck import REPO_ROOT, hostinfo
 from stackcheck.ledger import Ledger
-from stackcheck.models import architectures
+from stackcheck.models import architectures, footprint
 from stackcheck.triage import doctor
 from stackcheck.versions import UsageError, installed_versions
 
@@ -40,6 +40,7 @@ class Scan:
     quantization: dict[str, dict[str, int]] = field(default_factory=dict)  # top-level part -> {module type: count}
     lora_targets: dict[str, int] = field(default_factory=dict)  # module type -> target hits
     kv_sharing: dict[str, object] = field(default_factory=dict)
+    footprint: dict[str, int] = field(default_factory=dict)  # the weights' bytes: planned in 4-bit, allocated by this stack
     known_bugs: list[str] = field(default_factory=list)
 
     def add(self, kind: str, problem: str) -> None:
@@ -103,8 +104,9 @@ def quantize_on_meta(model, quantization: dict, device_map: dict | None):
         config = BitsAndBytesConfig(**quantization)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"--quantization: not a BitsAndBytesConfig ({exc})") from None
-    AutoHfQuantizer.from_config(config, pre_quantized=False).preprocess_model(model, device_map=device_map)
-    return config
+    quantizer = AutoHfQuantizer.from_config(config, pre_quantized=False)
+    quantizer.preprocess_model(model, device_map=device_map)
+    return quantizer
 
 
 def module_device(name: str, device_map: dict) -> object:
@@ -120,7 +122,7 @@ def check_device_map(scan: Scan, model, device_map: dict) -> None:
         scan.add("device_map_key_names_no_module", f"'{key}' names no module of {scan.architecture}: accelerate ignores it")
 
 
-def check_quantization(scan: Scan, model, config, device_map: dict | None, known_bugs: list[str]) -> None:
+def check_quantization(scan: Scan, model, quantizer, device_map: dict | None, known_bugs: list[str]) -> None:
     from stackcheck import scenario
 
     quantized = scenario.linear4bit_modules(model)
@@ -129,18 +131,9 @@ def check_quantization(scan: Scan, model, config, device_map: dict | None, known
         if type(module).__name__ in ("Linear", "Linear4bit", "Linear8bitLt"):
             per_part.setdefault(".".join(name.split(".")[:2]), Counter())[type(module).__name__] += 1
     scan.quantization = {part: dict(types) for part, types in per_part.items()}
-    for entry in scenario.ineffective_skips(model, list(config.llm_int8_skip_modules or [])):
+    for entry in scenario.ineffective_skips(model, list(quantizer.quantization_config.llm_int8_skip_modules or [])):
         scan.add("skip_module_keeps_nothing", f"llm_int8_skip_modules entry '{entry}' keeps nothing unquantized")
-    # transformers 5 fuses a mixture of experts into 3-D parameters, and bitsandbytes replaces nn.Linear only
-    # (bitsandbytes#1849): the experts, most of such a model's weights, stay in bf16 with no warning.
-    experts = {name: p for name, p in model.named_parameters() if p.ndim == 3}
-    if experts:
-        unquantized = sum(p.numel() for p in experts.values())
-        total = sum(p.numel() for p in model.parameters())
-        scan.add("experts_not_quantized", f"{len(experts)} fused expert parameters (e.g. {next(iter(experts))}), "
-                 f"{unquantized / total:.0%} of the weights, stay unquantized under 4-bit: "
-                 f"{unquantized * 2 / 2**30:.1f} GiB in bf16 where NF4 would take {unquantized / 2 / 2**30:.1f} GiB "
-                 f"(bitsandbytes#1849; bitsandbytes replaces nn.Linear only)")
+    check_footprint(scan, model, quantizer, quantized)
     if not set(PACKED_PATH_BUGS) & set(known_bugs) or device_map is None:
         return
     rejected: dict[tuple[int, int], list[str]] = {}
@@ -150,6 +143,30 @@ def check_quantization(scan: Scan, model, config, device_map: dict | None, known
     for (in_features, out_features), names in rejected.items():
         scan.add("cpu_packed_path_rejects_width", f"{len(names)} 4-bit layers {in_features} -> {out_features} on this avx512_bf16 "
                  f"CPU (e.g. {names[0]}): bitsandbytes' packed path needs in % {PACKED_IN_BLOCK} and out % {PACKED_OUT_BLOCK}")
+
+
+def check_footprint(scan: Scan, model, quantizer, quantized: dict) -> None:
+    """The weights' 4-bit footprint the user plans (every weight meant for 4-bit in NF4: `footprint`) against what
+    this stack will allocate (the layers the quantizer really replaced in NF4, the rest in bf16), for the full-size
+    model. A mixture of experts fused into 3-D parameters is where they part (bitsandbytes#1849)."""
+    nested = bool(quantizer.quantization_config.bnb_4bit_use_double_quant)
+    meant = footprint.meant_for_4bit(model, list(quantizer.modules_to_not_convert or []))
+    quantized_weights = {f"{name}.weight" for name in quantized}
+    planned = allocated = 0
+    for name, param in model.named_parameters():
+        bf16, nf4 = param.numel() * 2, footprint.nf4_bytes(param.numel(), nested=nested)
+        planned += nf4 if name in meant else bf16
+        allocated += nf4 if name in quantized_weights else bf16
+    scan.footprint = {"planned_bytes": planned, "allocated_bytes": allocated}
+    experts = footprint.fused_experts(model)
+    unquantized = [name for name in experts if name not in quantized_weights]
+    if allocated > planned and unquantized:
+        expert_values = sum(experts[name].numel() for name in unquantized)
+        total = sum(p.numel() for p in model.parameters())
+        scan.add("experts_not_quantized", f"{len(unquantized)} fused expert parameters (e.g. {unquantized[0]}), "
+                 f"{expert_values / total:.0%} of the weights, stay in bf16 under 4-bit (bitsandbytes#1849; it replaces "
+                 f"nn.Linear only): the weights take {allocated / 2**30:.1f} GiB where 4-bit should take "
+                 f"{planned / 2**30:.1f} GiB ({allocated / planned:.1f}x)")
 
 
 def rejected_by_peft(module, lora_config) -> str | None:
@@ -262,6 +279,9 @@ def render(scan: Scan, versions: dict[str, str], checked: list[str]) -> str:
             f"{part} {', '.join(f'{n} {t}' for t, n in sorted(types.items()))}" for part, types in scan.quantization.items()))
     if scan.lora_targets:
         lines.append("LoRA target hits per module type: " + ", ".join(f"{t} {n}" for t, n in scan.lora_targets.items()))
+    if scan.footprint:
+        lines.append(f"weights under this quantization: {scan.footprint['allocated_bytes'] / 2**30:.2f} GiB allocated, "
+                     f"{scan.footprint['planned_bytes'] / 2**30:.2f} GiB if every weight meant for 4-bit were 4-bit")
     if scan.kv_sharing:
         lines.append(f"KV sharing: layers {scan.kv_sharing['shared_layers']} read the K/V that layers "
                      f"{', '.join(map(str, scan.kv_sharing['stored_by']))} store")

@@ -78,3 +78,7 @@ def test_a_mixture_of_experts_config_is_told_its_bugs_and_its_bf16_experts(tmp_p
     assert {"params4bit_kwargs", "meta_quant_state"} <= set(report["known_bugs"])
     (experts,) = report["findings"]["experts_not_quantized"]
     assert experts.startswith("96 fused expert parameters") and "95% of the weights" in experts
+    planned, allocated = report["footprint"]["planned_bytes"], report["footprint"]["allocated_bytes"]
+    assert 3.0 < allocated / planned < 4.0, (planned, allocated)  # about 57 GiB where 4-bit should take about 17
+    assert gemma["footprint"]["planned_bytes"] == gemma["footprint"]["allocated_bytes"]  # no fused experts there
+    assert "experts_not_quantized" not in gemma["findings"]
