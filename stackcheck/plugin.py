@@ -34,6 +34,8 @@ from pathlib import Path
 import pytest
 
 from stackcheck import exchange, hostinfo, results, scenario
+from stackcheck.distributed.cells import Ranks
+from stackcheck.distributed.outcome import RanksFailed, judge_ranks
 from stackcheck.models import architectures, tiny
 from stackcheck.lane import LAUNCHED_AT_ENV
 from stackcheck.ledger import (
@@ -189,6 +191,13 @@ def adapter_exchange(request: pytest.FixtureRequest, arch) -> exchange.AdapterEx
                                     config.getoption("--stackcheck-set"), config.getoption("--stackcheck-baseline"))
 
 
+@pytest.fixture
+def ranks(request: pytest.FixtureRequest, lane: str, tmp_path: Path) -> Ranks:
+    """Launches the test's distributed job (stackcheck.distributed): `ranks("module:function", world_size,
+    engine)`. Each rank's outcome goes into the cell; a rank that did not pass fails the test with all of them."""
+    return Ranks(request.node, lane, tmp_path)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -k/-m deselect: the ledger is checked against everything collected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     ledger = config.stackcheck_ledger
@@ -230,7 +239,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if family is None or not _is_final_phase(report):
         return
     judgement = _judge(item, call, report, family)
-    report.user_properties.append((CELL_KEY, _cell(item.config, family, item.nodeid, judgement)))
+    cell = _cell(item.config, family, item.nodeid, judgement)
+    if hasattr(item, "stackcheck_ranks"):  # a distributed job's cell records every rank
+        cell["ranks"] = getattr(item, "stackcheck_rank_records", None) or judge_ranks(item.stackcheck_ranks, None)[1]
+    report.user_properties.append((CELL_KEY, cell))
     if judgement.verdict == KNOWN_BUG:
         report.outcome = "skipped"
         report.wasxfail = f"known_bug {judgement.bug}: {judgement.signature}"
@@ -267,11 +279,17 @@ def _judge(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport, 
         return Judgement(NOT_APPLICABLE, note=f"not applicable: {excinfo.value}")
     if report.when == "setup" or (excinfo and excinfo.errisinstance(FixtureError)):
         return Judgement(ERROR, signature=Failure.from_exception(excinfo.value).signature(), note="setup broke")
-    not_reached = bool(excinfo and excinfo.errisinstance(ScenarioNotReached))
-    failure = Failure.from_exception(excinfo.value, not_reached) if excinfo else None
     arch = item.callspec.params.get("arch") if hasattr(item, "callspec") else None
-    return item.config.stackcheck_ledger.judge(family, item.name, item.config.stackcheck_versions, failure,
-                                               arch.model_type if arch else None)
+
+    def judge(failure: Failure | None) -> Judgement:
+        return item.config.stackcheck_ledger.judge(family, item.name, item.config.stackcheck_versions, failure,
+                                                   arch.model_type if arch else None)
+
+    if excinfo and excinfo.errisinstance(RanksFailed):  # each rank judged as a test of its own, then combined
+        judgement, item.stackcheck_rank_records = judge_ranks(excinfo.value.outcomes, judge)
+        return judgement
+    not_reached = bool(excinfo and excinfo.errisinstance(ScenarioNotReached))
+    return judge(Failure.from_exception(excinfo.value, not_reached) if excinfo else None)
 
 
 class Recorder:

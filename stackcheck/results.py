@@ -16,9 +16,11 @@ from stackcheck.versions import UsageError, load_sets
 
 LANES = ("gpu", "cpu")
 CELL_KEYS = ("set", "family", "test", "lane", "arch", "verdict", "signature", "bug", "note", "seconds")
+# A distributed job's cell also has `ranks`: each rank's state, verdict, signature (stackcheck.distributed.outcome.rank_record).
 # What a verdict means besides the libraries: the ledger and the judging of a failure against it, and the
 # family tests with what they build and run.
-DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/ledger.py", "stackcheck/plugin.py", "stackcheck/scenario.py", "stackcheck/hostinfo.py", "stackcheck/models/*.py", "fixtures/*.json", "fixtures/architectures/*.json", "tests/families/*.py")
+DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/ledger.py", "stackcheck/plugin.py", "stackcheck/scenario.py", "stackcheck/hostinfo.py", "stackcheck/models/*.py", "fixtures/*.json", "fixtures/architectures/*.json", "tests/families/*.py",
+                    "stackcheck/distributed/*.py", "fixtures/distributed/*")
 
 
 def family_of(nodeid: str) -> str | None:
@@ -224,6 +226,8 @@ def _shape_problem(data) -> str | None:
             return f"cell {index}: {', '.join(texts)} must be strings and seconds a number"
         if cell["verdict"] not in SEVERITY:
             return f"cell {index}: unknown verdict '{cell['verdict']}' (verdicts: {', '.join(SEVERITY)})"
+        if not isinstance(cell.get("ranks", []), list):
+            return f"cell {index}: `ranks` (a distributed job's outcome per rank) is not a list"
     return None
 
 

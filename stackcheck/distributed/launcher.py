@@ -1,0 +1,118 @@
+"""The launcher: starts a job as a user starts it, waits for it with a timeout, and reaps every process.
+
+`accelerate launch --config_file fixtures/distributed/<engine>.yaml` (or `torchrun` where no engine is named),
+each rank running `python -m stackcheck.distributed.rank MODULE:FUNCTION OUTDIR`. The job runs in a session of
+its own, and torch's agent starts each rank in another one (which the rank records): killing those groups
+reaches the launcher, its agent, every rank and whatever they started. When the
+timeout runs out, every rank without an outcome is hung: it is asked for its Python stacks (SIGUSR1, which each
+rank's faulthandler writes to its own file), then the whole group is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from stackcheck import REPO_ROOT
+from stackcheck.distributed import rank as rank_side
+from stackcheck.distributed.outcome import RankOutcome, RankState
+
+ENGINES_DIR = REPO_ROOT / "fixtures" / "distributed"
+# How long a hung rank gets to write its stacks after the signal.
+STACKS_GRACE_SECONDS = 2.0
+
+
+def engine_config(engine: str) -> Path:
+    """fixtures/distributed/<engine>.yaml: fsdp1, fsdp2, zero3."""
+    path = ENGINES_DIR / f"{engine}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in ENGINES_DIR.glob("*.yaml")))
+        raise ValueError(f"no accelerate config for engine '{engine}' in {ENGINES_DIR} (engines: {known})")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def command(target: str, outdir: Path, world_size: int, engine: str | None, port: int) -> list[str]:
+    """The user's launch line: accelerate launch with the engine's config file, or torchrun."""
+    rank_program = ["-m", rank_side.__name__, target, str(outdir)]
+    if engine is None:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}", f"--master_port={port}", *rank_program]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(engine_config(engine)),
+            "--num_processes", str(world_size), "--main_process_port", str(port), *rank_program]
+
+
+def launch(target: str, outdir: Path, world_size: int = 2, engine: str | None = None, lane: str = "cpu",
+           timeout: float = 240.0, kwargs: dict | None = None) -> list[RankOutcome]:
+    """Run `target` (MODULE:FUNCTION, called with `kwargs`) on `world_size` ranks; every rank's outcome, by rank.
+    Every process of the job is gone when this returns."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "call.json").write_text(json.dumps(kwargs or {}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+               **{rank_side.LANE_ENV: lane})
+    with (outdir / "launcher.log").open("w") as log:
+        job = subprocess.Popen(command(target, outdir, world_size, engine, free_port()), cwd=REPO_ROOT, env=env,
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = job.wait(timeout=timeout)
+            hung_after = None
+        except subprocess.TimeoutExpired:
+            returncode, hung_after = None, timeout
+            dump_stacks(outdir, world_size)
+        finally:
+            reap(job, outdir, world_size)
+    return [outcome(outdir, rank, hung_after, returncode) for rank in range(world_size)]
+
+
+def dump_stacks(outdir: Path, world_size: int) -> None:
+    """Ask every rank that has not finished for its stacks, and give it a moment to write them."""
+    asked = []
+    for rank in range(world_size):
+        pid_file = rank_side.pid_path(outdir, rank)
+        if not rank_side.outcome_path(outdir, rank).exists() and pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), rank_side.STACKS_SIGNAL)
+                asked.append(rank)
+            except (ProcessLookupError, ValueError):
+                pass
+    deadline = time.monotonic() + STACKS_GRACE_SECONDS
+    while asked and time.monotonic() < deadline and not all(rank_side.read_text(rank_side.stacks_path(outdir, r)) for r in asked):
+        time.sleep(0.05)
+
+
+def reap(job: subprocess.Popen, outdir: Path, world_size: int) -> None:
+    """Kill the launcher's session (launcher and agent) first, so that nothing starts another rank, then each
+    rank's own group (its supervisor, worker and their children), and collect the launcher."""
+    groups = [job.pid]
+    for rank in range(world_size):
+        group = rank_side.read_text(rank_side.group_path(outdir, rank))
+        if group and int(group) != job.pid:
+            groups.append(int(group))
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job.wait()
+
+
+def outcome(outdir: Path, rank: int, hung_after: float | None, returncode: int | None) -> RankOutcome:
+    """The rank's own outcome file; else hung (the timeout ran out), else died with the launcher's status."""
+    path = rank_side.outcome_path(outdir, rank)
+    if path.exists():
+        return RankOutcome.from_json(json.loads(path.read_text()))
+    stacks = rank_side.read_text(rank_side.stacks_path(outdir, rank))
+    if hung_after is not None:
+        return RankOutcome(rank, RankState.HUNG, seconds=hung_after, stacks=stacks)
+    output = rank_side.read_text(rank_side.log_path(outdir, rank)) or rank_side.read_text(outdir / "launcher.log")
+    return RankOutcome(rank, RankState.DIED, rank_side.died_failure(rank, returncode, output), stacks=stacks)

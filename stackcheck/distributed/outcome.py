@@ -1,0 +1,120 @@
+"""What each rank of a launched job ended with, and the one verdict of the cell: pure functions, no process.
+
+A rank passed, failed (its `ledger.Failure`, judged like any single-process failure), hung (the launcher's
+timeout ran out before it wrote an outcome: always `error`), died (exited or was killed without writing one: a
+Failure built from its exit status and the tail of its output, judged by the ledger too) or was stopped (the
+launcher ended it after another rank failed: no verdict of its own).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from stackcheck.ledger import ERROR, PASS, SEVERITY, Failure, Judgement
+
+
+class RankState(StrEnum):
+    PASSED = "passed"
+    FAILED = "failed"
+    HUNG = "hung"
+    DIED = "died"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    rank: int
+    state: RankState
+    failure: Failure | None = None  # FAILED and DIED
+    seconds: float | None = None  # HUNG: how long the launcher waited
+    stacks: str | None = None  # HUNG (dumped on the launcher's signal) and DIED (faulthandler on a fatal signal)
+    result: dict | None = None  # PASSED: what the rank's function returned (its measured numbers)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> RankOutcome:
+        failure = data.get("failure")
+        if failure is not None:
+            failure = Failure(**{**failure, "exception_mro": tuple(failure["exception_mro"]), "frames": tuple(failure["frames"])})
+        return cls(data["rank"], RankState(data["state"]), failure, data.get("seconds"), data.get("stacks"), data.get("result"))
+
+    def write(self, path: Path) -> None:
+        """Atomically, so the launcher never reads half an outcome."""
+        scratch = path.with_name(f".{path.name}.tmp")
+        scratch.write_text(json.dumps(self.to_json(), indent=1))
+        scratch.replace(path)
+
+    def describe(self) -> str:
+        if self.state == RankState.HUNG:
+            return hang_message(self.rank, self.seconds)
+        if self.failure is not None:
+            return f"rank {self.rank} {self.state}: {self.failure.signature()}"
+        return f"rank {self.rank} {self.state}"
+
+
+def hang_message(rank: int, seconds: float | None) -> str:
+    return f"rank {rank} hung after {seconds:.0f} s"
+
+
+class RanksFailed(Exception):
+    """A launched job in which some rank did not pass: carries every rank's outcome to the plugin, which judges
+    each and combines them (`judge_ranks`)."""
+
+    def __init__(self, outcomes: list[RankOutcome]):
+        self.outcomes = outcomes
+        super().__init__("; ".join(o.describe() for o in outcomes if o.state != RankState.PASSED))
+
+
+def raise_unless_passed(outcomes: list[RankOutcome]) -> None:
+    if any(o.state != RankState.PASSED for o in outcomes):
+        raise RanksFailed(outcomes)
+
+
+def judge_rank(outcome: RankOutcome, judge: Callable[[Failure], Judgement]) -> Judgement | None:
+    """One rank's verdict; None for a rank stopped by the launcher. `judge` is the ledger's judgement of a failure
+    of this test (`Ledger.judge` with the cell's family, test, versions and architecture). A rank that passed
+    beside failing ones is a pass, never `fixed`: the bug showed on the others."""
+    if outcome.state == RankState.PASSED:
+        return Judgement(PASS)
+    if outcome.state == RankState.STOPPED:
+        return None
+    if outcome.state == RankState.HUNG:
+        return Judgement(ERROR, signature=hang_message(outcome.rank, outcome.seconds), note="rank hung; its stacks are in the cell")
+    return judge(outcome.failure)
+
+
+def combine(judgements: dict[int, Judgement | None]) -> Judgement:
+    """The cell's verdict from its ranks' (rank -> judgement, None where stopped): the worst verdict wins, with
+    the bug, signature and links of the lowest rank that has it; the note lists every rank. A known bug on one
+    rank and a pass on another is the known bug. Every rank stopped, or none at all, is an error."""
+    judged = {rank: j for rank, j in sorted(judgements.items()) if j is not None}
+    if not judged:
+        return Judgement(ERROR, signature="no rank reached a verdict", note="every rank was stopped by the launcher")
+    worst_rank, worst = min(judged.items(), key=lambda item: (SEVERITY.index(item[1].verdict), item[0]))
+    ranks = "; ".join(f"rank {rank}: {j.verdict}" + (f" {j.bug}" if j.bug else "") if j else f"rank {rank}: stopped"
+                      for rank, j in sorted(judgements.items()))
+    note = f"rank {worst_rank}: {worst.note}; {ranks}" if worst.note else ranks
+    return Judgement(worst.verdict, worst.bug, worst.signature, note, list(worst.links))
+
+
+def judge_ranks(outcomes: list[RankOutcome], judge: Callable[[Failure], Judgement]) -> tuple[Judgement, list[dict]]:
+    """(the cell's combined verdict, each rank's outcome as the cell records it)."""
+    judgements = {o.rank: judge_rank(o, judge) for o in outcomes}
+    return combine(judgements), [rank_record(o, judgements[o.rank]) for o in outcomes]
+
+
+def rank_record(outcome: RankOutcome, judgement: Judgement | None) -> dict:
+    """One rank's entry in the cell (`ranks`): its state, verdict, signature, and the stacks of a hung or dead rank."""
+    record = {"rank": outcome.rank, "state": str(outcome.state), "verdict": str(judgement.verdict) if judgement else None,
+              "signature": judgement.signature if judgement else None, "bug": judgement.bug if judgement else None}
+    if outcome.stacks:
+        record["stacks"] = outcome.stacks
+    if outcome.result:
+        record["result"] = outcome.result
+    return record

@@ -1,0 +1,170 @@
+"""The rank side: what `accelerate launch` (or torchrun) starts on every rank, and the helpers a rank's function uses.
+
+    python -m stackcheck.distributed.rank MODULE:FUNCTION OUTDIR
+
+runs as a small supervisor under the launcher, with the launcher's environment (RANK, WORLD_SIZE, ...). It starts
+the worker, the same command with --worker, its output to OUTDIR/rank-N.log, and waits for it: a worker that
+leaves no outcome (a segfault, a kill, an exit from inside a library) gets one built from its exit status and the
+tail of its output; one that the launcher ends (after another rank failed) is `stopped`. The worker calls
+FUNCTION(**OUTDIR/call.json) and writes OUTDIR/rank-N.json: passed (with what the function returned), or the
+ledger's `Failure` of the exception, with not_reached for a ScenarioNotReached. NCCL and gloo errors are
+exceptions like others: their message goes into the signature. The worker writes its pid for the launcher, and
+dumps every thread's Python stack to OUTDIR/rank-N.stacks on SIGUSR1 (the launcher's timeout) or a fatal signal.
+
+Nothing here imports torch until a rank's function asks for it: the supervisor is the standard library only.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from stackcheck.distributed.outcome import RankOutcome, RankState
+from stackcheck.ledger import Failure
+
+STACKS_SIGNAL = signal.SIGUSR1
+LANE_ENV = "STACKCHECK_DIST_LANE"
+OUTPUT_TAIL_LINES = 20
+
+
+def rank_index() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def outcome_path(outdir: Path, rank: int) -> Path:
+    return outdir / f"rank-{rank}.json"
+
+
+def pid_path(outdir: Path, rank: int) -> Path:
+    return outdir / f"rank-{rank}.pid"
+
+
+def group_path(outdir: Path, rank: int) -> Path:
+    """The rank's process group: torch's elastic agent starts every rank in a session of its own, out of reach
+    of a kill of the launcher's."""
+    return outdir / f"rank-{rank}.pgid"
+
+
+def stacks_path(outdir: Path, rank: int) -> Path:
+    return outdir / f"rank-{rank}.stacks"
+
+
+def log_path(outdir: Path, rank: int) -> Path:
+    return outdir / f"rank-{rank}.log"
+
+
+def read_text(path: Path) -> str | None:
+    return path.read_text(errors="replace") if path.exists() and path.stat().st_size else None
+
+
+def tail(text: str | None, lines: int = OUTPUT_TAIL_LINES) -> str:
+    return "\n".join((text or "").strip().splitlines()[-lines:])
+
+
+def died_failure(rank: int, returncode: int, output: str | None) -> Failure:
+    """A rank that ended without an outcome, as a Failure the ledger can match: killed by a signal or exited
+    with a code, and the tail of its output."""
+    if returncode < 0:
+        how = f"killed by signal {-returncode} ({signal.Signals(-returncode).name})"
+    else:
+        how = f"exited with code {returncode}"
+    message = f"rank {rank} {how} without an outcome\n{tail(output)}".rstrip()
+    return Failure("RankDied", ("RankDied",), message, ())
+
+
+def supervise(target: str, outdir: Path) -> int:
+    rank = rank_index()
+    group_path(outdir, rank).write_text(str(os.getpgid(0)))
+    with log_path(outdir, rank).open("w") as log:
+        worker = subprocess.Popen([sys.executable, "-m", __spec__.name, "--worker", target, str(outdir)], stdout=log, stderr=subprocess.STDOUT)
+
+        def stop(signum, _frame):  # the launcher ends the job: end the worker, and say so
+            worker.send_signal(signum)
+            worker.wait()
+            if not outcome_path(outdir, rank).exists():
+                RankOutcome(rank, RankState.STOPPED).write(outcome_path(outdir, rank))
+            os._exit(128 + signum)
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        returncode = worker.wait()
+    if not outcome_path(outdir, rank).exists():
+        failure = died_failure(rank, returncode, read_text(log_path(outdir, rank)))
+        RankOutcome(rank, RankState.DIED, failure, stacks=read_text(stacks_path(outdir, rank))).write(outcome_path(outdir, rank))
+    return returncode
+
+
+def work(target: str, outdir: Path) -> int:
+    rank = rank_index()
+    pid_path(outdir, rank).write_text(str(os.getpid()))
+    stacks = stacks_path(outdir, rank).open("w")
+    faulthandler.enable(file=stacks, all_threads=True)
+    faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
+    module_name, _, function_name = target.partition(":")
+    kwargs = json.loads((outdir / "call.json").read_text())
+    try:
+        result = getattr(importlib.import_module(module_name), function_name)(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - every exception of the rank's function is its outcome
+        not_reached = "ScenarioNotReached" in (k.__name__ for k in type(exc).__mro__)
+        RankOutcome(rank, RankState.FAILED, Failure.from_exception(exc, not_reached)).write(outcome_path(outdir, rank))
+        return 1
+    finally:
+        _leave_process_group()
+    RankOutcome(rank, RankState.PASSED, result=result).write(outcome_path(outdir, rank))
+    return 0
+
+
+def _leave_process_group() -> None:
+    """Destroy the process group the rank's function joined, if it did: a clean exit, no warning at shutdown."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()
+
+
+# The rank's function's side.
+
+def lane() -> str:
+    return os.environ.get(LANE_ENV, "cpu")
+
+
+def device():
+    """This rank's device: the CPU on the CPU lane, its own GPU (LOCAL_RANK) on the GPU lane."""
+    import torch
+
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if lane() == "gpu" else torch.device("cpu")
+
+
+def accelerator():
+    """The `Accelerator` the launch's config file describes (accelerate launch passes it on as ACCELERATE_* and
+    FSDP_* variables), on the lane's device.
+
+    On the CPU, accelerate (1.13 to 1.15) turns an FSDP launch into MULTI_CPU, which `prepare` wraps in DDP:
+    AcceleratorState sets FSDP only for accelerator devices. So on the CPU lane the rank gives the state what
+    accelerate gives it on a GPU host, the FSDP plugin built from the same FSDP_* variables; `prepare` then runs
+    accelerate's own FSDP preparation over gloo. Measured: with this, `prepare` gives an FSDPModule on seed and
+    latest; without it, DistributedDataParallel."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    on_cpu = lane() == "cpu"
+    accelerator = Accelerator(cpu=on_cpu)
+    if on_cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+    return accelerator
+
+
+def main(argv: list[str]) -> int:
+    worker = argv[:1] == ["--worker"]
+    target, outdir = argv[1:] if worker else argv
+    return (work if worker else supervise)(target, Path(outdir))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,222 @@
+"""The distributed lane's harness on tiny rank functions (no model): real jobs under torchrun and accelerate launch,
+two ranks on the CPU, in seconds. A rank that raises, hangs, segfaults or exits; every rank passing over gloo; the
+combination of the ranks' verdicts; and a family cell judged rank by rank through the plugin."""
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from stackcheck import REPO_ROOT
+from stackcheck.distributed import launcher
+from stackcheck.distributed.outcome import RankOutcome, RankState, combine, judge_rank, judge_ranks
+from stackcheck.ledger import ERROR, FIXED, KNOWN_BUG, NEW_FAILURE, PASS, Failure, Judgement
+
+HERE = "tests.harness.test_distributed"
+HANG_TIMEOUT = 20.0
+
+
+def this_rank() -> int:
+    return int(os.environ["RANK"])
+
+
+# The rank functions (run by stackcheck.distributed.rank on every rank).
+
+def rank_all_reduce() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([this_rank() + 1])
+    dist.all_reduce(total)
+    return {"sum": total.item(), "world_size": dist.get_world_size()}
+
+
+def rank_one_raises() -> dict:
+    if this_rank() == 1:
+        raise RuntimeError("rank one's own error")
+    return {}
+
+
+def rank_one_hangs() -> dict:
+    if this_rank() == 1:
+        while True:
+            time.sleep(0.1)
+    return {}
+
+
+def rank_one_segfaults() -> dict:
+    if this_rank() == 1:
+        ctypes.string_at(0)
+    return {}
+
+
+def rank_one_exits() -> dict:
+    if this_rank() == 1:
+        print("about to leave")
+        os._exit(3)
+    return {}
+
+
+def rank_not_reached() -> dict:
+    from stackcheck.scenario import require
+
+    require(False, "the precondition")
+    return {}
+
+
+def no_process_of(outdir) -> bool:
+    """No process still has the job's folder on its command line (ranks, supervisors, the launcher)."""
+    found = subprocess.run(["pgrep", "-f", str(outdir)], capture_output=True, text=True)
+    return found.stdout.strip() == ""
+
+
+# Real jobs.
+
+def test_every_rank_passes_over_gloo_under_torchrun(tmp_path):
+    outcomes = launcher.launch(f"{HERE}:rank_all_reduce", tmp_path / "job", timeout=120)
+    assert [o.state for o in outcomes] == [RankState.PASSED, RankState.PASSED]
+    assert [o.result for o in outcomes] == [{"sum": 3, "world_size": 2}] * 2
+    assert no_process_of(tmp_path / "job")
+
+
+def test_a_rank_that_raises_carries_its_failure_and_frame(tmp_path):
+    outcomes = launcher.launch(f"{HERE}:rank_one_raises", tmp_path / "job", timeout=120)
+    assert outcomes[0].state == RankState.PASSED
+    failed = outcomes[1]
+    assert failed.state == RankState.FAILED
+    assert failed.failure.signature() == "RuntimeError: rank one's own error @ tests/harness/test_distributed.py:rank_one_raises"
+    assert no_process_of(tmp_path / "job")
+
+
+def test_a_hung_rank_is_an_error_with_its_stacks_and_every_process_is_reaped(tmp_path):
+    started = time.monotonic()
+    outcomes = launcher.launch(f"{HERE}:rank_one_hangs", tmp_path / "job", timeout=HANG_TIMEOUT)
+    assert time.monotonic() - started < HANG_TIMEOUT + 10
+    assert outcomes[0].state == RankState.PASSED
+    hung = outcomes[1]
+    assert hung.state == RankState.HUNG and hung.seconds == HANG_TIMEOUT
+    assert "rank_one_hangs" in hung.stacks
+    judgement, records = judge_ranks(outcomes, judge=lambda failure: pytest.fail("a hang is not judged by the ledger"))
+    assert judgement.verdict == ERROR and judgement.signature == f"rank 1 hung after {HANG_TIMEOUT:.0f} s"
+    assert "rank_one_hangs" in records[1]["stacks"]
+    assert no_process_of(tmp_path / "job")
+
+
+def test_a_segfaulting_rank_died_by_its_signal_with_its_stacks(tmp_path):
+    outcomes = launcher.launch(f"{HERE}:rank_one_segfaults", tmp_path / "job", timeout=120)
+    died = outcomes[1]
+    assert died.state == RankState.DIED
+    assert died.failure.message.startswith("rank 1 killed by signal 11 (SIGSEGV) without an outcome")
+    assert "rank_one_segfaults" in died.stacks
+    assert no_process_of(tmp_path / "job")
+
+
+def test_a_rank_that_exits_died_with_its_code_and_output_under_accelerate_launch(tmp_path):
+    outcomes = launcher.launch(f"{HERE}:rank_one_exits", tmp_path / "job", engine="fsdp2", timeout=120)
+    assert outcomes[0].state == RankState.PASSED
+    died = outcomes[1]
+    assert died.state == RankState.DIED
+    assert died.failure.message.splitlines() == ["rank 1 exited with code 3 without an outcome", "about to leave"]
+    assert died.failure.signature() == "RankDied: rank 1 exited with code 3 without an outcome @ ?"
+    assert no_process_of(tmp_path / "job")
+
+
+def test_an_unreached_scenario_on_a_rank_is_not_reached(tmp_path):
+    outcomes = launcher.launch(f"{HERE}:rank_not_reached", tmp_path / "job", world_size=1, timeout=120)
+    assert outcomes[0].state == RankState.FAILED and outcomes[0].failure.not_reached
+
+
+# The combination (pure).
+
+def failed(rank: int, message: str = "boom") -> RankOutcome:
+    return RankOutcome(rank, RankState.FAILED, Failure("RuntimeError", ("RuntimeError", "Exception"), message, ("lib.py:f",)))
+
+
+def test_a_known_bug_on_one_rank_and_a_pass_on_the_other_is_the_known_bug():
+    known = Judgement(KNOWN_BUG, "some_bug", "RuntimeError: boom @ lib.py:f", links=["https://example.org/1"])
+    judgement, records = judge_ranks([RankOutcome(0, RankState.PASSED), failed(1)], judge=lambda failure: known)
+    assert (judgement.verdict, judgement.bug, judgement.links) == (KNOWN_BUG, "some_bug", ["https://example.org/1"])
+    assert [(r["rank"], r["verdict"]) for r in records] == [(0, "pass"), (1, "known_bug")]
+
+
+def test_the_worst_rank_wins_and_the_lowest_rank_names_it():
+    verdicts = {0: Judgement(KNOWN_BUG, "a"), 1: Judgement(NEW_FAILURE, None, "x"), 2: Judgement(NEW_FAILURE, None, "y"), 3: Judgement(ERROR, signature="z")}
+    combined = combine(verdicts)
+    assert (combined.verdict, combined.signature) == (NEW_FAILURE, "x")
+    assert combined.note == "rank 0: known_bug a; rank 1: new_failure; rank 2: new_failure; rank 3: error"
+
+
+def test_a_passing_rank_beside_a_failing_one_is_a_pass_never_fixed():
+    assert judge_rank(RankOutcome(0, RankState.PASSED), judge=lambda failure: Judgement(FIXED)).verdict == PASS
+
+
+def test_stopped_ranks_have_no_verdict_and_all_stopped_is_an_error():
+    assert judge_rank(RankOutcome(1, RankState.STOPPED), judge=lambda failure: Judgement(PASS)) is None
+    assert combine({0: Judgement(NEW_FAILURE, signature="s"), 1: None}).verdict == NEW_FAILURE
+    assert combine({0: None, 1: None}).verdict == ERROR
+
+
+def test_an_outcome_survives_its_file(tmp_path):
+    outcome = failed(1, "a\nb")
+    outcome.write(tmp_path / "rank-1.json")
+    assert RankOutcome.from_json(json.loads((tmp_path / "rank-1.json").read_text())) == outcome
+
+
+# Through the plugin: a family cell judged rank by rank, with every rank recorded.
+
+PROBE_MODULE = textwrap.dedent('''
+    import os
+
+    from stackcheck.distributed.cells import WORLD_SIZES
+
+
+    def rank_one_meets_the_bug():
+        if int(os.environ["RANK"]) == 1:
+            raise ValueError("the probe's known bug")
+        return {"rank": 0}
+
+
+    @WORLD_SIZES
+    def test_probe(ranks, world_size):
+        ranks("tests.families.test_dist_probe:rank_one_meets_the_bug", world_size, timeout=120)
+''')
+PROBE_LEDGER = textwrap.dedent('''
+    [families.dist_probe]
+    title = "a distributed probe"
+    bugs = ["dist_probe_bug"]
+
+    [bugs.dist_probe_bug]
+    summary = "the probe's bug"
+    links = ["https://example.org/probe"]
+    upstream_status = "none"
+    affected = {}
+    [bugs.dist_probe_bug.signature]
+    exception = "ValueError"
+    message = "the probe's known bug"
+    frame = "tests/families/test_dist_probe.py:rank_one_meets_the_bug"
+''')
+
+
+def test_a_family_cell_combines_its_ranks_through_the_plugin(tmp_path):
+    root = tmp_path / "checkout"
+    shutil.copytree(REPO_ROOT, root, ignore=shutil.ignore_patterns(".git", ".stackcheck", ".cache", ".nox", "results", "docs", "wheelhouse", "__pycache__"))
+    (root / "tests" / "families" / "test_dist_probe.py").write_text(PROBE_MODULE)
+    ledger = root / "stackcheck" / "ledger.toml"
+    ledger.write_text(ledger.read_text() + PROBE_LEDGER)
+    results = tmp_path / "matrix.json"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/families/test_dist_probe.py",
+                    "--stackcheck-lanes=cpu", f"--stackcheck-results={results}"], cwd=root, capture_output=True, text=True)
+    cells = {c["test"]: c for c in json.loads(results.read_text())["cells"]}
+    known = cells["tests/families/test_dist_probe.py::test_probe[cpu-ws2]"]
+    assert (known["verdict"], known["bug"]) == ("known_bug", "dist_probe_bug")
+    assert [(r["rank"], r["state"], r["verdict"]) for r in known["ranks"]] == [(0, "passed", "pass"), (1, "failed", "known_bug")]
+    assert known["ranks"][0]["result"] == {"rank": 0}
+    skipped = cells["tests/families/test_dist_probe.py::test_probe[cpu-ws1]"]
+    assert (skipped["verdict"], skipped["note"]) == ("skipped", "Skipped: CPU lane: the gloo variant runs 2 ranks")
