@@ -97,6 +97,14 @@ class Bug:
     signature: Signature
     cpu_flag: str | None = None  # shows only on a CPU with this extension (hostinfo.CPU_FLAGS)
     architectures: tuple[str, ...] = ()  # the model types it lives in (`model_type`); empty: every architecture
+    workaround: str | None = None  # what a user does meanwhile, without changing versions
+
+    @property
+    def silent(self) -> bool:
+        """Nothing raises: the library returned, and only a family's own assertion sees the weights, the memory or
+        the numbers are wrong."""
+        return (self.signature.exception in ("AssertionError", "ToleranceExceeded")
+                and self.signature.frame.startswith(FAMILIES_DIR.relative_to(REPO_ROOT).as_posix() + "/"))
 
     def lives_on(self, model_type: str | None) -> bool:
         """Whether the bug can show on an architecture of `model_type` (None: a test that builds no model)."""
@@ -224,10 +232,11 @@ def _keys(entry: object, where: str, required: set[str], optional: set[str] = fr
 
 def _parse_bug(bug_id: str, entry: object, packages: tuple[str, ...]) -> Bug:
     where = f"bugs.{bug_id}"
-    _keys(entry, where, {"summary", "links", "upstream_status", "affected", "signature"}, {"cpu_flag", "architectures"})
+    _keys(entry, where, {"summary", "links", "upstream_status", "affected", "signature"}, {"cpu_flag", "architectures", "workaround"})
     architectures = entry.get("architectures", [])
     _require(isinstance(architectures, list) and all(isinstance(x, str) for x in architectures), where,
              "architectures must be a list of model types (config.json's model_type)")
+    _require(isinstance(entry.get("workaround", ""), str), where, "workaround must be a string")
     _require(entry.get("cpu_flag") in (None, *CPU_FLAGS), where, f"cpu_flag must be one of {', '.join(CPU_FLAGS)}")
     _require(isinstance(entry["links"], list) and entry["links"] and all(isinstance(x, str) for x in entry["links"]), where, "links must be a non-empty list of strings")
     affected = {}
@@ -249,7 +258,7 @@ def _parse_bug(bug_id: str, entry: object, packages: tuple[str, ...]) -> Bug:
         band = (float(band[0]), float(band[1]))
     signature = Signature(sig["exception"], sig["message"], sig["frame"], band)
     return Bug(bug_id, entry["summary"], tuple(entry["links"]), entry["upstream_status"], affected, signature,
-               entry.get("cpu_flag"), tuple(architectures))
+               entry.get("cpu_flag"), tuple(architectures), entry.get("workaround"))
 
 
 class Ledger:

@@ -44,6 +44,8 @@ class Diagnosis:
     affected: str
     remedies: tuple[Remedy, ...]
     cpu_flag: str | None
+    silent: bool  # nothing raises (Bug.silent)
+    workaround: str | None
 
     @property
     def on_this_cpu(self) -> str:
@@ -91,7 +93,7 @@ def diagnose(ledger: Ledger, versions: dict[str, str], cpu_flags: str,
             continue
         families = tuple(family.id for family in ledger.families.values() if any(b.id == bug.id for b, _ in family.bugs))
         diagnoses.append(Diagnosis(bug.id, bug.summary, families, bug.links, bug.describe_range(),
-                                   tuple(remedies(bug, versions, ledger)), bug.cpu_flag))
+                                   tuple(remedies(bug, versions, ledger)), bug.cpu_flag, bug.silent, bug.workaround))
     return diagnoses
 
 
@@ -140,7 +142,11 @@ def render(versions: dict[str, str], facts: dict[str, str], diagnoses: list[Diag
         lines.append("No known bug of the ledger affects this install.")
     else:
         lines += ["Each bug: its id [the families whose tests show it]: the versions it affects; then the changes of one",
-                  "package that leave it, and the upstream report.", ""]
+                  "package that leave it, what to do meanwhile where the ledger knows, and the upstream report.", ""]
+        silent = [d.bug for d in diagnoses if d.silent]
+        if silent:
+            lines += [f"{len(silent)} of them are silent: nothing raises, the weights, the memory or the numbers are wrong "
+                      f"(marked SILENT): {', '.join(silent)}", ""]
     groups = {"and an upgrade leaves them": [d for d in diagnoses if d.fixed_in_a_release],
               "and no release fixes them yet; a downgrade leaves them": [d for d in diagnoses if not d.fixed_in_a_release and d.remedies],
               "and no release leaves them": [d for d in diagnoses if not d.remedies]}
@@ -149,8 +155,10 @@ def render(versions: dict[str, str], facts: dict[str, str], diagnoses: list[Diag
             continue
         lines.append(f"{len(group)} known bugs affect this install, {leaving}:")
         for d in group:
-            lines.append(f"- {d.bug} [{', '.join(d.families)}]: affects {d.affected}{d.on_this_cpu}")
+            lines.append(f"- {'SILENT ' if d.silent else ''}{d.bug} [{', '.join(d.families)}]: affects {d.affected}{d.on_this_cpu}")
             lines += [f"    {remedy}" for remedy in d.remedies]
+            if d.workaround:
+                lines.append(f"    meanwhile: {d.workaround}")
             lines.append(f"    {d.links[0]}")
         lines.append("")
     lines.append(f"Verify these claims on this install: {verify}")

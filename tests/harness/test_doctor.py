@@ -37,6 +37,19 @@ def test_bugs_no_release_fixes_are_told_apart():
     assert not found["lora_on_offloaded_layer_meta"].fixed_in_a_release and not found["lora_on_offloaded_layer_meta"].remedies
 
 
+def test_silent_bugs_are_marked_with_what_to_do_meanwhile():
+    """Silent: the library raised nothing and only a family's assertion saw the damage; a crash inside a library
+    is not silent, nor is an exception the test's own frame meets from torch (FSDP's refusal)."""
+    found = diagnosed()
+    assert found["bnb_fused_experts_unquantized"].silent and "scan" in found["bnb_fused_experts_unquantized"].workaround
+    assert found["merge_4bit_divergence"].silent and found["merge_4bit_divergence"].workaround
+    assert not found["bnb_cpu_packed_out_features"].silent  # bitsandbytes' own assert: it raises
+    assert not found["params4bit_kwargs"].silent
+    text = doctor.render(SEED, {}, list(found.values()), "verify")
+    assert "- SILENT bnb_fused_experts_unquantized [quantized_experts]" in text
+    assert "    meanwhile: plan VRAM for the experts in bf16" in text
+
+
 def test_a_cpu_bound_bug_shows_only_on_its_cpu():
     assert "bnb_cpu_packed_out_features" in diagnosed(AVX512_BF16)
     assert "bnb_cpu_packed_out_features" not in diagnosed("avx2 avx512f")
