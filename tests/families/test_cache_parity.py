@@ -24,6 +24,10 @@ on the CPU (this machine and the H200 host's), 0.0073 in bf16 on an H200 and 0.0
 bitsandbytes < 0.50 (0.0298, H200 and H100). The bug measures 0.43 to 0.53 (5.5.1, every check and dtype). The
 full forward stays under 16 tokens: from 16 query tokens torch's CPU bf16 attention switches kernels and differs
 by 1.4 to 2.3% without any bug (eager and fp32 give 1e-6).
+
+Judged by mechanism: the error's size depends on the model, where it sits does not. A failure also reports the share
+of the divergence past the first position (`share_past_the_first`): all of it (1.0) for a kernel only one-token decode
+takes, about (n - 1) / n for a forward wrong at every position (0.85 to 0.90 measured on 5.5.1).
 """
 
 import torch
@@ -48,8 +52,17 @@ def require_cache(output) -> None:
     scenario.require(output.past_key_values is not None, "the forward with use_cache=True returned no cache")
 
 
-def assert_cache_parity(what: str, error: float) -> None:
-    scenario.assert_within(f"{what}: relative error", error, CACHE_TOLERANCE)
+def assert_cache_parity(what: str, error: float, judged_by: tuple[str, float] | None = None) -> None:
+    scenario.assert_within(f"{what}: relative error", error, CACHE_TOLERANCE, judged_by)
+
+
+def share_past_the_first(compared: torch.Tensor, reference: torch.Tensor) -> tuple[str, float]:
+    """Where the divergence sits: its share (squared error) past the first position, [positions, vocab] logits.
+    `generate`'s first logits come from the prefill, a multi-token forward like the full one, and every later one from
+    a one-token decode: a kernel only decode takes puts all of the divergence past the first (1.0). A bug of the
+    forward itself spreads it over every position (about (n - 1) / n)."""
+    error = (compared - reference).pow(2).sum(dim=-1)
+    return "of it past the first position:", (error[1:].sum() / error.sum()).item() if error.sum() > 0 else 0.0
 
 
 @scenario.QUANTIZATION
@@ -62,7 +75,8 @@ def test_forward_without_cache_matches_cached_forward(under_test, quantized, pro
 
     require_cache(cached)
     assert_cache_parity("logits without a cache diverge from the cached forward",
-                        scenario.relative_error(uncached, cached.logits.float().cpu()))
+                        scenario.relative_error(uncached, cached.logits.float().cpu()),
+                        judged_by=share_past_the_first(uncached[0], cached.logits[0].float().cpu()))
 
 
 @scenario.QUANTIZATION
@@ -77,4 +91,5 @@ def test_generate_cached_logits_match_full_forward(under_test, quantized, prompt
 
     full = model(input_ids=out.sequences[:, :-1], use_cache=False).logits[0, prompt.shape[1] - 1 :].float().cpu()
 
-    assert_cache_parity("generate's cached logits diverge from a full forward", scenario.relative_error(full, stepwise))
+    assert_cache_parity("generate's cached logits diverge from a full forward", scenario.relative_error(full, stepwise),
+                        judged_by=share_past_the_first(stepwise, full))
