@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from stackcheck.models.architectures import EXPERT_COUNT_KEYS
 
 NF4_BLOCKSIZE = 64  # bitsandbytes' default blocksize for 4-bit weights
@@ -35,17 +33,19 @@ def expert_count(config) -> int:
     return next((getattr(text, key) for key in EXPERT_COUNT_KEYS if getattr(text, key, None)), 0)
 
 
-def fused_experts(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+def fused_experts(model) -> dict:
     """The 3-D parameters that hold one matrix per expert (not a tower's position table or a depthwise
     convolution, which are 3-D too)."""
     experts = expert_count(model.config)
     return {name: p for name, p in model.named_parameters() if experts and p.ndim == 3 and p.shape[0] == experts}
 
 
-def kept_by_design(model: torch.nn.Module, skip_modules: list[str]) -> dict[str, str]:
+def kept_by_design(model, skip_modules: list[str]) -> dict[str, str]:
     """The weights of two or more dimensions that 4-bit quantization leaves in 16 bits on purpose, with why.
     `skip_modules`: the quantizer's `modules_to_not_convert` (the user's `llm_int8_skip_modules` and transformers'
     defaults for the model)."""
+    import torch  # here, not at import: `scan` and the CLI import this module where torch is not installed
+
     experts = expert_count(model.config)
     head = model.get_output_embeddings()
     modules = dict(model.named_modules())
@@ -67,7 +67,7 @@ def kept_by_design(model: torch.nn.Module, skip_modules: list[str]) -> dict[str,
     return kept
 
 
-def meant_for_4bit(model: torch.nn.Module, skip_modules: list[str]) -> dict[str, torch.nn.Parameter]:
+def meant_for_4bit(model, skip_modules: list[str]) -> dict:
     """Every weight of two or more dimensions the user's 4-bit config asks to have quantized."""
     kept = kept_by_design(model, skip_modules)
     return {name: p for name, p in model.named_parameters() if p.ndim >= 2 and name not in kept}
