@@ -19,7 +19,18 @@ does not have (the KV-shared layers' k/v LoRA, trained because 5.5.1's uncached 
 those projections: `gemma4_uncached_kv_sharing`). PEFT leaves them out, and the outputs do not change
 (0.0000): 5.5.1's cached inference never used those projections either.
 
-Precondition proven: training really changed the outputs (the adapter differs from the base).
+On a mixture of experts a set also trains LoRA on the fused 3-D expert parameters (`target_parameters`, the
+experts' down projection, no module targets) and exchanges it the same way. PEFT 0.18.0 to 0.19.0 read transformers
+5's (experts, out, in) parameters as (experts, in, out), swapping lora_A's and lora_B's widths; 0.19.1 fixed it
+(peft PR #3165). An expert adapter crossing the fix fails to load with a size mismatch (the tiny Mixtral's
+down_proj, 128 x 256), or, where the parameter is square (the tiny Qwen3-MoE's, 128 x 128), loads silently
+transposed (`peft_moe_param_lora_swapped`, `peft_moe_param_lora_transposed`). A verdict reads this set's versions
+alone, so the cross-set expert cell needs a baseline adapter trained outside the swapped range (seed and latest
+are): one trained inside it is "scenario not reached", whatever this set's PEFT.
+
+Precondition proven: training really changed the outputs (the adapter differs from the base); for the expert
+adapter, the model has fused 3-D expert parameters and every targeted one carries a LoRA, in training and once
+loaded; the baseline's trained adapter changed its outputs.
 
 Tolerance: 0.01 relative logit error, and the same greedy tokens where they are decisive (`scenario.assert_decodes_alike`). Measured on the CPU, seed and latest: the
 round trip is exact (0.0000). Without the preparation the fresh base keeps in bf16 what
@@ -27,12 +38,18 @@ round trip is exact (0.0000). Without the preparation the fresh base keeps in bf
 logits by 0.0192 (seed) and 0.0168 (latest): comparing like with like is what lets 0.01 catch a lost module.
 Across sets the base itself moves (by 0.0024 from seed to latest on the CPU), so the upgrade compares the
 adapter's effect, the logits with it minus those without: seed's adapter on latest is off by 0.0031, while
-leaving out any one of its 38 LoRA modules moves the effect by 0.022 to 0.18.
+leaving out any one of its 38 LoRA modules moves the effect by 0.022 to 0.18. The expert adapter (CPU): its round
+trip is exact (0.0000) on every set that can reload it (latest; seed with peft 0.18.0 or 0.18.1, with transformers
+5.5.4, or with both peft 0.19.0 and transformers 5.5.4; seed itself meets peft_moe_weightconverter_kwargs). Across
+sets it is compared on the deltas it adds to the expert weights (the last test says why): seed's on latest and on
+peft 0.19.1 with transformers 5.5.4 adds the same (0.0000); loaded transposed (peft 0.18.0 to 0.19.0) it is off by
+1.41 (sqrt(2): a transposed delta is uncorrelated with the trained one, of the same norm).
 """
 
 import pytest
 import torch
-from peft import prepare_model_for_kbit_training
+from peft import get_peft_model, prepare_model_for_kbit_training
+from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
 
 from stackcheck import scenario
@@ -40,6 +57,13 @@ from stackcheck.models import tiny
 from stackcheck.exchange import ExportMissing
 
 ROUND_TRIP_TOLERANCE = 0.01
+# The exchange's names of the two adapters a set trains: its language adapter fixture, and LoRA on the experts.
+LANGUAGE, EXPERTS = "language", "experts"
+# The experts' down projection: square on the tiny Qwen3-MoE (128 x 128), where an adapter in the other layout
+# loads without complaint, and not on the tiny Mixtral (128 x 256), where it cannot load.
+EXPERT_TARGET = "experts.down_proj"
+# The bug whose range, read on the baseline's versions, says its adapter is in the swapped layout (see below).
+SWAPPED_LAYOUT = "peft_moe_param_lora_swapped"
 
 
 def reload_for_training(under_test, adapter, checkpoint=None):
@@ -48,8 +72,47 @@ def reload_for_training(under_test, adapter, checkpoint=None):
     return scenario.peft_load(under_test, base, adapter)
 
 
-def test_trained_adapter_reloads_onto_a_fresh_4bit_base(under_test, prompt, tmp_path, adapter_exchange, request):
-    model = scenario.qlora_model(under_test, scenario.load_base(under_test))
+def targeted_fused_experts(model) -> dict[str, torch.nn.Parameter]:
+    """The mixture of experts' fused expert weights `EXPERT_TARGET`: 3-D parameters, one slice per expert (their
+    names as in the base model, without the `base_layer` PEFT's wrappers add)."""
+    named = {name.replace(".base_layer", ""): p for name, p in model.named_parameters()}
+    return {name: p for name, p in named.items() if p.ndim == 3 and name.endswith(EXPERT_TARGET)}
+
+
+def require_lora_on_fused_experts(model) -> None:
+    """The precondition of the expert adapter: every targeted fused 3-D expert parameter carries a LoRA
+    (PEFT's ParamWrapper, `target_parameters`)."""
+    targeted = targeted_fused_experts(model)
+    scenario.require(targeted, f"the model has no fused 3-D expert parameter '{EXPERT_TARGET}'")
+    wrapped = {id(m.get_param()) for m in model.modules() if isinstance(m, BaseTunerLayer) and hasattr(m, "get_param")}
+    bare = [name for name, p in targeted.items() if id(p) not in wrapped]
+    scenario.require(not bare, f"the expert adapter left {len(bare)} of {len(targeted)} fused expert parameters without LoRA")
+
+
+def expert_deltas(model) -> dict[str, torch.Tensor]:
+    """What the expert adapter adds to each targeted fused expert parameter (PEFT's `get_delta_weight`), in the
+    parameter's own (experts, out, in) layout, whatever layout PEFT keeps lora_A and lora_B in."""
+    names = {id(p): name for name, p in targeted_fused_experts(model).items()}
+    return {names[id(m.get_param())]: m.get_delta_weight(m.active_adapters[0]).float().cpu()
+            for m in model.modules() if isinstance(m, BaseTunerLayer) and hasattr(m, "get_param") and id(m.get_param()) in names}
+
+
+def language_adapter(under_test, base):
+    return scenario.qlora_model(under_test, base)
+
+
+def expert_adapter(under_test, base):
+    """The QLoRA recipe with LoRA on the fused expert parameters alone (`target_parameters`; no module targets)."""
+    model = get_peft_model(prepare_model_for_kbit_training(base),
+                           tiny.lora_config(under_test.arch, LANGUAGE, target_modules=[], target_parameters=[EXPERT_TARGET]))
+    require_lora_on_fused_experts(model)
+    return model.train()
+
+
+def train_save_export_reload(under_test, prompt, tmp_path, exchange, versions, name, adapter, measured=lambda model: {}):
+    """Train the adapter `adapter(under_test, base)` builds, leave it in the exchange as `name` (with the tensors
+    `measured` takes from the trained model), reload it onto a fresh 4-bit base and compare with the trained model."""
+    model = adapter(under_test, scenario.load_base(under_test))
     with model.disable_adapter():
         base_logits = scenario.logits(model.eval(), prompt)
     scenario.train_steps(under_test, model.train(), torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2), 5)
@@ -57,11 +120,11 @@ def test_trained_adapter_reloads_onto_a_fresh_4bit_base(under_test, prompt, tmp_
     trained_logits, trained_decode = scenario.logits(model, prompt), scenario.decode(model, prompt)
     scenario.require_adapter_changes(trained_logits, base_logits, "the trained model")
     model.save_pretrained(tmp_path)
-    saved, trained = load_file(tmp_path / "adapter_model.safetensors"), scenario.lora_tensors(model)
+    saved, trained, tensors = load_file(tmp_path / "adapter_model.safetensors"), scenario.lora_tensors(model), measured(model)
     del model
     assert len(saved) == len(trained), f"the saved adapter holds {len(saved)} tensors, the trained model {len(trained)}"
-    adapter_exchange.export(tmp_path, request.config.stackcheck_versions, tiny.base_checkpoint(under_test.arch), base_logits,
-                            trained_logits, trained_decode.tokens)
+    exchange.export(name, tmp_path, versions, tiny.base_checkpoint(under_test.arch), base_logits, trained_logits, trained_decode.tokens,
+                    tensors)
 
     loaded = reload_for_training(under_test, tmp_path)
 
@@ -71,19 +134,29 @@ def test_trained_adapter_reloads_onto_a_fresh_4bit_base(under_test, prompt, tmp_
     scenario.assert_decodes_alike(loaded, prompt, trained_decode, "the reloaded adapter decodes otherwise", beside_logits=True)
 
 
-# CPU lane only: module names and the adapter's values do not depend on the device, and on a GPU the sets'
-# 4-bit kernels differ: seed's bitsandbytes moves the base by 0.031 against latest's (H100), and the adapter's
-# effect by 0.042, more than losing one module does.
-@pytest.mark.cpu
-def test_adapter_trained_by_the_baseline_set_reloads(under_test, prompt, adapter_exchange):
-    """The upgrade: the adapter the baseline set trained (the test above, run by it), loaded by this set onto a
-    fresh 4-bit base from the checkpoint it was trained on, changes the outputs as it did for the baseline."""
+def test_trained_adapter_reloads_onto_a_fresh_4bit_base(under_test, prompt, tmp_path, adapter_exchange, request):
+    train_save_export_reload(under_test, prompt, tmp_path, adapter_exchange, request.config.stackcheck_versions, LANGUAGE, language_adapter)
+
+
+@pytest.mark.needs("experts")
+def test_trained_expert_adapter_reloads_onto_a_fresh_4bit_base(under_test, prompt, tmp_path, adapter_exchange, request):
+    train_save_export_reload(under_test, prompt, tmp_path, adapter_exchange, request.config.stackcheck_versions, EXPERTS, expert_adapter,
+                             expert_deltas)
+
+
+def baseline_export(adapter_exchange, name):
     try:
-        export = adapter_exchange.baseline_export()
+        export = adapter_exchange.baseline_export(name)
     except ExportMissing as exc:
         raise scenario.ScenarioNotReached(str(exc)) from None
     if export is None:
         pytest.skip("no baseline set in this run: the gate's candidate and a matrix's later sets load the adapter their baseline trained")
+    return export
+
+
+def reload_and_compare_effect(under_test, prompt, export):
+    """Load the baseline's adapter onto a fresh 4-bit base from the checkpoint it was trained on, and compare
+    its effect (the logits with it minus those without) with the one the baseline measured."""
     loaded = reload_for_training(under_test, export.adapter, export.base_checkpoint)
     with loaded.disable_adapter():
         base_logits = scenario.logits(loaded, prompt)
@@ -95,4 +168,40 @@ def test_adapter_trained_by_the_baseline_set_reloads(under_test, prompt, adapter
     print(f"stackcheck measured: the base alone differs from set '{export.set_name}' by "
           f"{scenario.relative_error(base_logits, export.base_logits):.4f}; {dropped} of {len(saved)} saved tensors not loaded")
     scenario.assert_within(f"the adapter trained by set '{export.set_name}' changes the logits otherwise here: relative error",
+                           error, ROUND_TRIP_TOLERANCE)
+
+
+# CPU lane only: module names and the adapter's values do not depend on the device, and on a GPU the sets'
+# 4-bit kernels differ: seed's bitsandbytes moves the base by 0.031 against latest's (H100), and the adapter's
+# effect by 0.042, more than losing one module does.
+@pytest.mark.cpu
+def test_adapter_trained_by_the_baseline_set_reloads(under_test, prompt, adapter_exchange):
+    """The upgrade: the adapter the baseline set trained (the test above, run by it), loaded by this set onto a
+    fresh 4-bit base from the checkpoint it was trained on, changes the outputs as it did for the baseline."""
+    reload_and_compare_effect(under_test, prompt, baseline_export(adapter_exchange, LANGUAGE))
+
+
+@pytest.mark.cpu
+@pytest.mark.needs("experts")
+def test_expert_adapter_trained_by_the_baseline_set_reloads(under_test, prompt, adapter_exchange, request):
+    """The same with the baseline's LoRA on the fused expert parameters, whose layout PEFT changed: loaded here,
+    it adds to each expert parameter what it added in the baseline. Compared on the weights, not the logits: the
+    router is not adapted, and the bases of two sets differ enough (0.0028 on the tiny Qwen3-MoE, seed to
+    latest) to route a token to another expert, which moved the logits' effect by 0.0061 in one training run
+    and 0.0629 in another."""
+    export = baseline_export(adapter_exchange, EXPERTS)
+    scenario.require_adapter_changes(export.trained_logits, export.base_logits, f"set '{export.set_name}''s trained model")
+    # A verdict reads this set's versions alone: an adapter in the swapped layout loads here as the bug only where
+    # this set reads the other layout, so the cell needs one trained outside the swapped range.
+    swapped = request.config.stackcheck_ledger.bugs[SWAPPED_LAYOUT]
+    scenario.require(not swapped.affects(export.versions),
+                     f"set '{export.set_name}' trained its expert adapter in the layout of {SWAPPED_LAYOUT} "
+                     f"({swapped.describe_range()}): this set's verdict cannot say whether its own PEFT reads it")
+    loaded = reload_for_training(under_test, export.adapter, export.base_checkpoint)
+    require_lora_on_fused_experts(loaded)
+    deltas = expert_deltas(loaded)
+    assert deltas.keys() == export.tensors.keys(), f"the expert adapter adapts {sorted(deltas)} here, {sorted(export.tensors)} in set '{export.set_name}'"
+    error = scenario.relative_error(torch.cat([deltas[k].flatten() for k in sorted(deltas)]),
+                                    torch.cat([export.tensors[k].flatten() for k in sorted(deltas)]))
+    scenario.assert_within(f"the expert adapter trained by set '{export.set_name}' adds otherwise to the expert weights here: relative error",
                            error, ROUND_TRIP_TOLERANCE)

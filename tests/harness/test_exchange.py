@@ -13,33 +13,37 @@ def exported(tmp_path, set_name="seed") -> exchange.AdapterExchange:
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
     sender = exchange.AdapterExchange(tmp_path / "exchange", set_name, None)
-    sender.export(adapter, {"transformers": "5.6.2"}, tmp_path / "base", torch.zeros(1, 2), torch.ones(1, 2), [3, 4])
+    sender.export("language", adapter, {"transformers": "5.6.2"}, tmp_path / "base", torch.zeros(1, 2), torch.ones(1, 2), [3, 4],
+                  {"delta": torch.full((2, 2), 5.0)})
     return sender
 
 
 def test_a_later_set_reads_what_its_baseline_exported(tmp_path):
     folder = exported(tmp_path, "seed+transformers==5.5.1").folder
 
-    export = exchange.AdapterExchange(folder, "latest", "seed+transformers==5.5.1").baseline_export()
+    export = exchange.AdapterExchange(folder, "latest", "seed+transformers==5.5.1").baseline_export("language")
 
     assert export.set_name == "seed+transformers==5.5.1" and export.versions == {"transformers": "5.6.2"}
     assert (export.adapter / "adapter_config.json").exists() and export.base_checkpoint == tmp_path / "base"
     assert torch.equal(export.trained_logits, torch.ones(1, 2)) and export.trained_tokens == [3, 4]
+    assert export.tensors.keys() == {"delta"} and torch.equal(export.tensors["delta"], torch.full((2, 2), 5.0))
 
 
 def test_no_baseline_or_no_results_file_means_no_exchange(tmp_path):
     folder = exported(tmp_path).folder
-    assert exchange.AdapterExchange(folder, "latest", None).baseline_export() is None
-    assert exchange.AdapterExchange(folder, "seed", "seed").baseline_export() is None
-    assert exchange.AdapterExchange(None, "latest", "seed").baseline_export() is None
+    assert exchange.AdapterExchange(folder, "latest", None).baseline_export("language") is None
+    assert exchange.AdapterExchange(folder, "seed", "seed").baseline_export("language") is None
+    assert exchange.AdapterExchange(None, "latest", "seed").baseline_export("language") is None
 
 
 def test_a_missing_or_stale_export_is_refused(tmp_path):
     folder = exported(tmp_path).folder
-    with pytest.raises(exchange.ExportMissing, match="set 'other' left no trained adapter"):
-        exchange.AdapterExchange(folder, "latest", "other").baseline_export()
-    meta = folder / "seed" / "export.json"
+    with pytest.raises(exchange.ExportMissing, match="set 'other' left no trained 'language' adapter"):
+        exchange.AdapterExchange(folder, "latest", "other").baseline_export("language")
+    with pytest.raises(exchange.ExportMissing, match="set 'seed' left no trained 'experts' adapter"):
+        exchange.AdapterExchange(folder, "latest", "seed").baseline_export("experts")
+    meta = folder / "seed" / "language" / "export.json"
     meta.write_text(json.dumps(dict(json.loads(meta.read_text()), fingerprint="0" * 16)))
     assert results.fingerprint() != "0" * 16
     with pytest.raises(exchange.ExportMissing, match="other family definitions"):
-        exchange.AdapterExchange(folder, "latest", "seed").baseline_export()
+        exchange.AdapterExchange(folder, "latest", "seed").baseline_export("language")
