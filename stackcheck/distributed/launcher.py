@@ -60,6 +60,8 @@ def launch(target: str, outdir: Path, world_size: int = 2, engine: str | None = 
     (outdir / "call.json").write_text(json.dumps(kwargs or {}))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                **{rank_side.LANE_ENV: lane})
+    if lane == "cpu":  # the CPU lane's ranks see no GPU even on a GPU host, as the CPU lane's tests keep to the CPU
+        env["CUDA_VISIBLE_DEVICES"] = ""
     with (outdir / "launcher.log").open("w") as log:
         job = subprocess.Popen(command(target, outdir, world_size, engine, free_port()), cwd=REPO_ROOT, env=env,
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -10,8 +10,9 @@ meets it.
 
 The lead this family was opened for, accelerate#3983 (uint8 `Params4bit` handed to `fully_shard`: `RuntimeError:
 only Tensors of floating point dtype can require gradients`, or when bypassed loss 0.0 and NaN gradients; 1.14.0's
-#3987 excludes them through `ignored_params`), does not reproduce with torch 2.13 on the CPU: there accelerate
-1.13.0 shards the uint8 weights and the steps match the single-process run (measured below). torch's own side of it
+#3987 excludes them through `ignored_params`), is `fsdp2_uint8_params4bit_requires_grad`: it reproduces on torch 2.11
+(the H100 image, accelerate 1.13.0, both lanes) and not with torch 2.13 on the CPU, where accelerate 1.13.0 shards the
+uint8 weights and the steps match the single-process run (measured below). torch's own side of it
 (FSDPParam creating the sharded parameter without `requires_grad`, pytorch#177844) is fixed in 2.13: its
 `_fsdp_param.py` passes `requires_grad` at all three sites. It stays the
 precondition proven here, so a torch or accelerate that brings it back fails this test.

@@ -95,7 +95,7 @@ def test_merged_trained_copy_survives_save_reload_and_resize(under_test, prompt,
     scenario.require(not torch.equal(pair["head"].weight, pair["embeddings"].weight), "after the merge the head equals the embedding")
     merged.save_pretrained(tmp_path)
 
-    reloaded = tiny.model_class(under_test.arch).from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    reloaded = tiny.model_class(under_test.arch).from_pretrained(tmp_path, dtype=torch.bfloat16).to(under_test.device).eval()
     scenario.assert_within("the reloaded merged model diverges from the merged one: relative logit error",
                            scenario.relative_error(scenario.logits(reloaded, prompt), merged_logits), ROUND_TRIP_TOLERANCE)
     vocab = reloaded.get_input_embeddings().weight.shape[0]
