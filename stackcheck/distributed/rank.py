@@ -148,7 +148,8 @@ def accelerator():
     AcceleratorState sets FSDP only for accelerator devices. So on the CPU lane the rank gives the state what
     accelerate gives it on a GPU host, the FSDP plugin built from the same FSDP_* variables; `prepare` then runs
     accelerate's own FSDP preparation over gloo. Measured: with this, `prepare` gives an FSDPModule on seed and
-    latest; without it, DistributedDataParallel."""
+    latest; without it, DistributedDataParallel. The state's device is the rank's as the model names it (`cpu`,
+    not accelerate's `cpu:0`): FSDP1 refuses the pair (`Inconsistent compute device and device_id`)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -157,6 +158,7 @@ def accelerator():
     if on_cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type == DistributedType.MULTI_CPU:
         accelerator.state.distributed_type = DistributedType.FSDP
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+        accelerator.state.device = device()
     return accelerator
 
 
