@@ -5,6 +5,7 @@ the bench JSON described in stackcheck.bench.compare, which reads and compares i
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import os
@@ -259,20 +260,38 @@ def _nvml_used(handle) -> int:
     return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
 
 
+@functools.cache
+def warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream every decode graph warms up on: cuBLAS keeps a workspace per stream for the life of the
+    process (32 MiB on an H100), so a new stream per case left 32 MiB more behind each case (measured)."""
+    return torch.cuda.Stream(device)
+
+
+def reserve_cublas_workspaces(device: torch.device) -> None:
+    """cuBLAS's workspaces for the default and the warm-up stream, taken once a process before any case starts, so
+    that none of them counts in whichever case happens to run first."""
+    probe = torch.ones(8, 8, device=device, dtype=torch.bfloat16)
+    for stream in (torch.cuda.current_stream(device), warmup_stream(device)):
+        with torch.cuda.stream(stream):
+            probe @ probe
+    torch.cuda.synchronize(device)
+
+
 class MemoryTracker:
     """The memory of one case from the moment it is created: the torch allocator's peak allocated and
     peak reserved bytes (reset here) above what was allocated and reserved here, the device-level use NVML reports
     (every process and the CUDA context included; the highest sample), and host RSS with its peak since here (Linux).
 
-    Above, not absolute: whatever an earlier case of the process still holds (a CUDA graph's private pool the
-    allocator keeps) would otherwise count in every later case, so a case's peaks would depend on the order the
-    cases ran in (32 MiB more per tiny case, measured on an H100)."""
+    Above, not absolute: whatever an earlier case of the process still holds would otherwise count in every later
+    case, so a case's peaks would depend on the order the cases ran in. Measured on an H100 (seed, tiny): each case
+    left 32 MiB behind, a cuBLAS workspace for the new stream its decode graph warmed up on."""
 
     def __init__(self, device: torch.device):
         self.device = device
         gc.collect()
         if device.type == "cuda":
             torch.cuda.init()  # the allocator's statistics refuse a device CUDA has not started on
+            reserve_cublas_workspaces(device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         self.allocated_at_start = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -487,7 +506,7 @@ class DecodeGraph:
         # The graph reads the prefill's cache and first token by address, and the capture replaces the
         # cache's own references to them: held here, their memory is never reused while the graph lives.
         self.inputs = [*cache_tensors(cache), token]
-        side = torch.cuda.Stream(run.device)
+        side = warmup_stream(run.device)
         side.wait_stream(torch.cuda.current_stream(run.device))
         with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph asks
             run.decode(warm_cache, warm_token)
