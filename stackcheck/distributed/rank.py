@@ -162,6 +162,20 @@ def accelerator():
     return accelerator
 
 
+def assert_matches_one_process(engine: str, losses: list[float], single_losses: list[float], weights: dict,
+                               single_weights: dict, tolerance: float) -> dict:
+    """The end-to-end check of a sharded run: its losses and every LoRA weight (gathered, by name) against the same
+    recipe in one process; what the rank returns for the cell."""
+    from stackcheck import scenario
+
+    scenario.require(weights.keys() == single_weights.keys(), "the sharded model has other LoRA weights")
+    loss_difference = max(abs(a - b) for a, b in zip(losses, single_losses))
+    weight_difference = max(scenario.relative_error(weights[name], single_weights[name]) for name in weights)
+    scenario.assert_within(f"{engine} losses differ from one process's by", loss_difference, tolerance)
+    scenario.assert_within(f"{engine} LoRA weights differ from one process's: worst relative error", weight_difference, tolerance)
+    return {"losses": losses, "single_process_losses": single_losses, "worst_lora_relative_error": weight_difference}
+
+
 def main(argv: list[str]) -> int:
     worker = argv[:1] == ["--worker"]
     target, outdir = argv[1:] if worker else argv

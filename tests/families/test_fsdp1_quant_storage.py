@@ -91,12 +91,7 @@ def qlora_steps_under_fsdp1(quant_storage: str, trainable_dtype: str) -> dict:
     scenario.require(len(units) >= len(scenario.decoder_layers(model.module)), f"only {len(units)} FSDP units below the root")
     losses = scenario.train_steps(under_test, model, optimizer, STEPS)
     weights = lora_weights(model)
-    scenario.require(weights.keys() == single_weights.keys(), "the sharded model has other LoRA weights")
-    loss_difference = max(abs(a - b) for a, b in zip(losses, single_losses))
-    weight_difference = max(scenario.relative_error(weights[name], single_weights[name]) for name in weights)
-    scenario.assert_within("FSDP1 losses differ from one process's by", loss_difference, TOLERANCE)
-    scenario.assert_within("FSDP1 LoRA weights differ from one process's: worst relative error", weight_difference, TOLERANCE)
-    return {"losses": losses, "single_process_losses": single_losses, "worst_lora_relative_error": weight_difference}
+    return rank_side.assert_matches_one_process("FSDP1", losses, single_losses, weights, single_weights, TOLERANCE)
 
 
 @pytest.mark.parametrize(("quant_storage", "trainable_dtype"), [("uint8", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")],

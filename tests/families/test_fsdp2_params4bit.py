@@ -81,12 +81,7 @@ def qlora_steps_under_fsdp2() -> dict:
     scenario.require(isinstance(model, FSDPModule), f"prepare gave {type(model).__name__}, not an FSDP2 module")
     losses = scenario.train_steps(under_test, model, optimizer, STEPS)
     weights = lora_weights(model)
-    scenario.require(weights.keys() == single_weights.keys(), "the sharded model has other LoRA weights")
-    loss_difference = max(abs(a - b) for a, b in zip(losses, single_losses))
-    weight_difference = max(scenario.relative_error(weights[name], single_weights[name]) for name in weights)
-    scenario.assert_within("FSDP2 losses differ from one process's by", loss_difference, TOLERANCE)
-    scenario.assert_within("FSDP2 LoRA weights differ from one process's: worst relative error", weight_difference, TOLERANCE)
-    return {"losses": losses, "single_process_losses": single_losses, "worst_lora_relative_error": weight_difference}
+    return rank_side.assert_matches_one_process("FSDP2", losses, single_losses, weights, single_weights, TOLERANCE)
 
 
 @WORLD_SIZES
