@@ -18,6 +18,9 @@ import sys
 import tomllib
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 from stackcheck import REPO_ROOT
 from stackcheck.versions import UsageError, VersionSet
 
@@ -33,15 +36,17 @@ class EnvBuildError(Exception):
 # What `stackcheck wheelhouse` writes beside the wheels: per set, the wheels uv resolved for the target.
 WHEELHOUSE_MANIFEST = "wheelhouse.json"
 
-# Groups the `tests` and `bench` environments add: the tests run the bench's CPU smoke mode.
-BENCH_GROUPS = ("bench",)
+# Groups every family environment adds: the tests run the bench's CPU smoke mode, and the distributed families
+# launch DeepSpeed.
+FAMILY_GROUPS = ("bench", "dist")
 
 
-def test_requirements(groups: tuple[str, ...] = ()) -> list[str]:
+def test_requirements(vset: VersionSet, groups: tuple[str, ...] = ()) -> list[str]:
     """What an environment holds beside the set's pins and torch: pyproject's `test` extra, plus the
-    optional-dependency `groups` named."""
+    optional-dependency `groups` named, less the packages the set pins itself (its deepspeed, say)."""
     extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    return [requirement for group in ("test", *groups) for requirement in extras[group]]
+    return [requirement for group in ("test", *groups) for requirement in extras[group]
+            if canonicalize_name(Requirement(requirement).name) not in vset.pins]
 
 
 # No torch here and no local wheel: the package index's, as pip would choose it.
@@ -84,12 +89,12 @@ def _run(command: list[str]) -> None:
 def environment_requirements(vset: VersionSet, groups: tuple[str, ...] = ()) -> tuple[list[str], bool]:
     """(what the set's environment installs, whether it inherits the host's torch)."""
     torch_requirements, inherit = torch_source(vset)
-    return torch_requirements + vset.requirements() + test_requirements(groups), inherit
+    return torch_requirements + vset.requirements() + test_requirements(vset, groups), inherit
 
 
 def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False, groups: tuple[str, ...] = ()) -> Path:
     """Create (or reuse, when its requirements are unchanged) the set's environment; return its python.
-    `groups` are optional-dependency groups added to the test requirements (BENCH_GROUPS); each
+    `groups` are optional-dependency groups added to the test requirements (FAMILY_GROUPS); each
     combination gets its own environment, so commands that need different groups never rebuild each other's."""
     requirements, inherit = environment_requirements(vset, groups)
     print(f"== {torch_note(vset)}", flush=True)

@@ -17,7 +17,9 @@ from packaging.version import InvalidVersion, Version
 
 SETS_FILE = Path(__file__).with_name("sets.toml")
 LIBRARIES = ("transformers", "peft", "accelerate", "bitsandbytes")
-PACKAGES = ("torch",) + LIBRARIES
+# The distributed lane's ZeRO-3 engine: a set may pin it; otherwise pyproject's `dist` extra does.
+ENGINES = ("deepspeed",)
+PACKAGES = ("torch",) + LIBRARIES + ENGINES
 CURRENT_SET = "current"  # not in sets.toml: the libraries this interpreter has installed
 PIN_HELP = "NAME==VERSION, NAME@git+URL[@REF] or NAME=PATH (a wheel, sdist or source tree)"
 

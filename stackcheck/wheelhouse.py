@@ -15,6 +15,9 @@ run `history ... --find-links FOLDER --no-index`, and run it again after each ba
 have not arrived yet does not build and is not stored, and the ones already run come from the probe store,
 so each run probes only the releases the new batch completed.
 
+A release published only as an sdist (deepspeed) is built here into a wheel, and taken when that wheel is pure
+Python; one with compiled parts would have to be built on the target, and is refused.
+
 uv's resolver picks the versions for the target (`uv pip compile --python-platform --python-version`), as
 pip would install them there: torch held at the target's version, the target's other packages preferred where
 they satisfy the requirements. pip then downloads each wheel the target lacks (`pip download --no-deps`).
@@ -36,7 +39,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from stackcheck.envs import BENCH_GROUPS, EnvBuildError, test_requirements
+from stackcheck.envs import FAMILY_GROUPS, EnvBuildError, test_requirements
 from stackcheck.envs import WHEELHOUSE_MANIFEST as MANIFEST
 from stackcheck.versions import UsageError, VersionSet
 
@@ -105,12 +108,27 @@ class Downloader:
             completed = subprocess.run(command, capture_output=True, text=True)
             if completed.returncode != 0:
                 detail = completed.stderr.strip().splitlines()[-1] if completed.stderr.strip() else ""
-                raise EnvBuildError(f"no wheel of {name}{specifier} for the target: {detail}")
-            (wheel,) = Path(scratch).glob("*.whl")
+                wheel = pure_wheel_from_sdist(name, specifier, Path(scratch))
+                if wheel is None:
+                    raise EnvBuildError(f"no wheel of {name}{specifier} for the target: {detail}")
+            else:
+                (wheel,) = Path(scratch).glob("*.whl")
             target = self.dest / wheel.name
             if not target.exists():
                 shutil.move(wheel, target)
             return target
+
+
+def pure_wheel_from_sdist(name: str, specifier: SpecifierSet, scratch: Path) -> Path | None:
+    """A release published as an sdist only (deepspeed) built here into a wheel, when that wheel is pure Python and
+    so installs on any target; None otherwise (the target would have to build it)."""
+    command = [sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-deps",
+               "--no-binary", name, "-w", str(scratch), f"{name}{specifier}"]
+    if subprocess.run(command, capture_output=True, text=True).returncode != 0:
+        return None
+    (wheel,) = scratch.glob("*.whl")
+    tags = parse_wheel_filename(wheel.name)[3]
+    return wheel if all(tag.abi == "none" and tag.platform == "any" for tag in tags) else None
 
 
 def compile_pins(requirements: list[str], python_version: str, host: dict[str, Version], index_args=()) -> dict[str, Version]:
@@ -133,11 +151,11 @@ def compile_pins(requirements: list[str], python_version: str, host: dict[str, V
 
 def wheels_for_set(vset: VersionSet, download, python_version: str, host: dict[str, Version], cuda: str | None,
                    index_args=()) -> list[Path]:
-    """The wheels the target lacks for the set's pins and the test and bench extras (`tests` and `bench` install
-    them), in the versions uv resolves for it."""
+    """The wheels the target lacks for the set's pins and the extras every family environment installs
+    (FAMILY_GROUPS), in the versions uv resolves for it."""
     if any(pin.url for pin in vset.pins.values()):
         raise UsageError(f"set '{vset.name}': the wheelhouse takes released versions only; pin a built wheel with NAME=PATH and copy it in")
-    pins = compile_pins(vset.requirements() + test_requirements(BENCH_GROUPS), python_version, host, index_args)
+    pins = compile_pins(vset.requirements() + test_requirements(vset, FAMILY_GROUPS), python_version, host, index_args)
     wheels = [download(name, SpecifierSet(f"=={version}")) for name, version in pins.items()
               if name not in PROVIDED_BY_TARGET and host.get(name) != version]
     if cuda:

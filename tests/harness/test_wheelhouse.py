@@ -58,7 +58,7 @@ SEED_RELEASES = {
 
 
 def test_uv_resolves_for_the_target_and_the_host_keeps_what_satisfies(tmp_path, monkeypatch):
-    monkeypatch.setattr(wheelhouse, "test_requirements", lambda groups=(): ["pytest==9.2.0"])
+    monkeypatch.setattr(wheelhouse, "test_requirements", lambda vset, groups=(): ["pytest==9.2.0"])
     (vset,) = resolve(["seed"])
     index = FakeIndex(tmp_path, SEED_RELEASES)
     host = {"torch": Version("2.11.0"), "huggingface-hub": Version("1.33.0"), "tokenizers": Version("0.23.2"),
@@ -72,7 +72,7 @@ def test_uv_resolves_for_the_target_and_the_host_keeps_what_satisfies(tmp_path, 
 
 
 def test_a_host_torch_outside_a_pin_cannot_resolve(tmp_path, monkeypatch):
-    monkeypatch.setattr(wheelhouse, "test_requirements", lambda groups=(): [])
+    monkeypatch.setattr(wheelhouse, "test_requirements", lambda vset, groups=(): [])
     (vset,) = resolve(["seed"])
     index = FakeIndex(tmp_path, {"transformers": {"5.6.2": []}, "peft": {"0.19.1": ["torch>=2.12"]},
                                  "accelerate": {"1.13.0": []}, "bitsandbytes": {"0.49.2": []}, "torch": {"2.11.0": [], "2.13.0": []}})
