@@ -154,7 +154,9 @@ def accelerator():
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     on_cpu = lane() == "cpu"
-    accelerator = Accelerator(cpu=on_cpu)
+    # DeepSpeed has a CPU accelerator of its own: accelerate keeps a DeepSpeed launch on the CPU unless told `cpu`.
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    accelerator = Accelerator(cpu=on_cpu and not deepspeed)
     if on_cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type == DistributedType.MULTI_CPU:
         accelerator.state.distributed_type = DistributedType.FSDP
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()

@@ -26,6 +26,13 @@ LoRA weights (same seed, same batch on both ranks, so the averaged gradient is t
 on this CPU, 3 steps, both ranks: seed and latest give the single-process losses to the last bit (seed 5.4958,
 5.4871, 5.4767; latest 5.4955, 5.4875, 5.4769) and LoRA weights with relative error 0.0; 1e-3 leaves room for another
 reduction order on NCCL. A cell takes 12 to 14 s here on an idle machine (46 s under load).
+
+At world size 1 (the GPU lane's ws1) the control fails in torch: FSDP1 turns FULL_SHARD into NO_SHARD there, the
+root unit (embeddings, final norm, tied head) is all frozen under PEFT, and from the second step on its
+parameters come back as plain Tensor views that the tied-parameter loop refuses (`AssertionError: as_params=True
+type(prim_param)=<class 'torch.Tensor'>`, `fsdp1_no_shard_frozen_root_tied`). Measured on the H100 (torch 2.11,
+NCCL, seed and latest) and on this CPU with one gloo rank (torch 2.13); raw FSDP1 without accelerate, PEFT or
+bitsandbytes fails the same way once everything outside the decoder layers is frozen.
 """
 
 import pytest

@@ -1,0 +1,118 @@
+"""QLoRA trained through `transformers.Trainer` with `gradient_checkpointing=True`: the steps run and every LoRA
+weight learns.
+
+Symptom: `RuntimeError: element 0 of tensors does not require grad and does not have a grad_fn` at the first
+backward (transformers#42489, still open; TRL calls `enable_input_require_grads` itself for it). Under reentrant
+checkpointing a checkpointed layer's output has a grad_fn only if one of its inputs requires grad; with a frozen
+base the hidden states do not, unless a hook makes the embeddings' output require grad. When something outside
+the checkpointed layers trains, the loss keeps a grad_fn and the same bug is silent: the steps run and the LoRA
+weights inside the layers never move. The test asserts what users expect, so it fails either way: the steps run,
+every loss is finite, and every LoRA tensor moved. Measured for the silent form (this test with
+`modules_to_save=["lm_head"]` added, tiny Llama 3, transformers 4.57.6): "8 of 8 LoRA tensors did not move"; on
+seed it passes.
+
+Where users meet it: `get_peft_model` straight on the 4-bit base, without PEFT's `prepare_model_for_kbit_training`
+(which hooks the embeddings itself), as transformers#42489's reproduction does. PEFT hooks the embeddings of an
+unquantized base only, and only when checkpointing is already on. Up to 5.0.0rc1, transformers'
+`gradient_checkpointing_enable` checkpoints reentrantly by default and hooks the embeddings only for adapters of
+its own PEFT integration. 5.0.0rc2 hooks them for every model whose main input is `input_ids`, reentrant or not;
+5.0.0 also makes the default non-reentrant (transformers PR #43203).
+
+Cells, per architecture: PEFT's QLoRA recipe (`prepare_model_for_kbit_training`) and `get_peft_model` on the 4-bit
+base alone, both with the Trainer's default checkpointing; and the latter with `use_reentrant=True` passed
+explicitly, which the non-reentrant default of 5.0.0 does not cover.
+
+Measured (CPU, the Trainer's defaults: AdamW, lr 5e-5, 3 steps of batch 1): every LoRA tensor moves in every cell
+on seed and latest (Llama 3 8 of 8, Gemma 4 76 of 76, Qwen3-MoE 28 of 28 on latest; on seed the Qwen3-MoE's
+all-linear adapter fails first, `peft_moe_all_linear_charset`); the losses are finite, 5.04 (Llama 3, seed), 5.50
+(Llama 3, latest), 5.57 (Qwen3-MoE), 7.35 to 7.38 (Gemma 4). Whether the gradients are right is not asserted here:
+Gemma 4's reentrant cell checkpoints reentrantly, where `checkpointing_kv_sharing` measures partial gradients that
+still reach every tensor.
+
+Precondition proven: the base is NF4 with nested quant state and frozen (no 4-bit weight requires grad), and
+every decoder layer ran with checkpointing on during the steps (`gradient_checkpointing` set and in training
+mode at its forward, which is what transformers' `GradientCheckpointingLayer` decides by).
+"""
+
+import math
+
+import pytest
+import torch
+
+from stackcheck import scenario
+from stackcheck.models import tiny
+
+STEPS = 3
+
+# Per cell: whether PEFT's `prepare_model_for_kbit_training` prepares the base, and the Trainer's
+# `gradient_checkpointing_kwargs` (None: transformers' default).
+RECIPES = {
+    "kbit_prepared": (True, None),
+    "peft_only": (False, None),
+    "peft_only_reentrant": (False, {"use_reentrant": True}),
+}
+
+
+def training_dataset() -> list[dict[str, list[int]]]:
+    """A tiny in-memory dataset: the fixed training sequence, its own labels, once per step."""
+    ids = scenario.TRAINING_IDS[0]
+    return [{"input_ids": ids, "labels": ids}] * STEPS
+
+
+def require_frozen_4bit_base(model) -> None:
+    scenario.first_nested_linear4bit(model)
+    trainable = [name for name, layer in scenario.linear4bit_modules(model).items() if layer.weight.requires_grad]
+    scenario.require(not trainable, f"{len(trainable)} 4-bit base weights require grad: {trainable[:3]}")
+
+
+class CheckpointingSeen:
+    """Whether each decoder layer ran with checkpointing on, read at its forward as transformers'
+    `GradientCheckpointingLayer` reads it (`gradient_checkpointing` and training mode)."""
+
+    def __init__(self, model):
+        self.layers = list(scenario.decoder_layers(model))
+        self.checkpointed: dict[int, bool] = {}
+        self.handles = [layer.register_forward_pre_hook(self.record) for layer in self.layers]
+
+    def record(self, layer, args) -> None:
+        index = self.layers.index(layer)
+        self.checkpointed[index] = self.checkpointed.get(index, True) and bool(layer.gradient_checkpointing and layer.training)
+
+    def require_all(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        off = [i for i in range(len(self.layers)) if not self.checkpointed.get(i, False)]
+        scenario.require(not off, f"decoder layers {off} of {len(self.layers)} ran without checkpointing (or not at all)")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_trainer_with_gradient_checkpointing_trains_every_lora_weight(under_test, recipe, tmp_path):
+    from peft import get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    prepared, checkpointing_kwargs = RECIPES[recipe]
+    base = scenario.load_base(under_test)
+    if prepared:
+        model = scenario.qlora_model(under_test, base)
+    else:
+        model = get_peft_model(base, tiny.lora_config(under_test.arch, "language"))
+    require_frozen_4bit_base(model)
+    lora = {name: p for name, p in model.named_parameters() if "lora_" in name}
+    start = {name: p.detach().clone() for name, p in lora.items()}
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=1, logging_steps=1,
+        gradient_checkpointing=True, gradient_checkpointing_kwargs=checkpointing_kwargs,
+        save_strategy="no", report_to="none", use_cpu=under_test.device.type == "cpu",
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=training_dataset())
+    seen = CheckpointingSeen(model)
+    try:
+        trainer.train()
+    finally:  # a step that fails without checkpointing on says nothing about this bug
+        seen.require_all()
+
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    still = [name for name, p in lora.items() if torch.equal(p.detach(), start[name])]
+    print(f"stackcheck measured: {len(lora) - len(still)} of {len(lora)} LoRA tensors moved; losses {losses}")
+    assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses), f"the Trainer's losses over {STEPS} steps: {losses}"
+    assert not still, f"{len(still)} of {len(lora)} LoRA tensors did not move in {STEPS} Trainer steps with gradient checkpointing: {still[:3]}"
