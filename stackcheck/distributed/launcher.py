@@ -73,7 +73,18 @@ def launch(target: str, outdir: Path, world_size: int = 2, engine: str | None = 
             dump_stacks(outdir, world_size)
         finally:
             reap(job, outdir, world_size)
-    return [outcome(outdir, rank, hung_after, returncode) for rank in range(world_size)]
+    return outcomes(outdir, world_size, hung_after, returncode)
+
+
+def outcomes(outdir: Path, world_size: int, hung_after: float | None, returncode: int | None) -> list[RankOutcome]:
+    """Every rank's outcome. A rank with no outcome of its own (neither it nor its supervisor wrote one: something
+    outside killed both) beside a rank that failed or died was torn down with the job after that failure, as torch's
+    agent does: stopped, not dead. Alone, it died."""
+    written = {rank: rank_side.outcome_path(outdir, rank).exists() for rank in range(world_size)}
+    found = [outcome(outdir, rank, hung_after, returncode) for rank in range(world_size)]
+    failed_elsewhere = any(written[o.rank] and o.state in (RankState.FAILED, RankState.DIED) for o in found)
+    return [RankOutcome(o.rank, RankState.STOPPED, stacks=o.stacks)
+            if failed_elsewhere and not written[o.rank] and o.state == RankState.DIED else o for o in found]
 
 
 def dump_stacks(outdir: Path, world_size: int) -> None:

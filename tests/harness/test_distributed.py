@@ -169,6 +169,17 @@ def test_an_outcome_survives_its_file(tmp_path):
     assert RankOutcome.from_json(json.loads((tmp_path / "rank-1.json").read_text())) == outcome
 
 
+def test_a_rank_without_an_outcome_beside_a_failed_one_was_stopped_alone_it_died(tmp_path):
+    """torch's agent tears the job down after a rank fails; a rank killed with it writes nothing (seen on the H100
+    host: a known bug on rank 0 and rank 1 'dead' read as a new failure)."""
+    failed(0, "the known bug").write(tmp_path / "rank-0.json")
+    torn_down = launcher.outcomes(tmp_path, 2, hung_after=None, returncode=1)
+    assert [o.state for o in torn_down] == [RankState.FAILED, RankState.STOPPED]
+    (tmp_path / "rank-0.json").unlink()
+    RankOutcome(0, RankState.PASSED).write(tmp_path / "rank-0.json")
+    assert [o.state for o in launcher.outcomes(tmp_path, 2, hung_after=None, returncode=1)] == [RankState.PASSED, RankState.DIED]
+
+
 # Through the plugin: a family cell judged rank by rank, with every rank recorded.
 
 PROBE_MODULE = textwrap.dedent('''
