@@ -13,7 +13,7 @@ from stackcheck.bench import compare as bench_compare, report as bench_report
 from stackcheck.releases import bisect, history
 from stackcheck.triage import doctor, repro, scan
 from stackcheck.releases import watch as watch_module
-from stackcheck.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, check_ledger, record_unbuildable, run_pytest
+from stackcheck.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, check_ledger, family_targets, record_unbuildable, run_pytest
 from stackcheck.ledger import LedgerError
 from stackcheck.progress import Progress
 from stackcheck.models import architectures
@@ -99,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
         matrix = commands.add_parser(name, help=f"run {what} on each set and write the report")
         add_set_options(matrix, many=True)
         matrix.add_argument("--arch", help=ARCH_HELP)
+        matrix.add_argument("--families", help="comma-separated families (default: all)")
         matrix.add_argument("--results", type=absolute_path, default=DEFAULT_RESULTS, help="matrix.json to write")
         matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
 
@@ -228,6 +229,8 @@ def run_matrix(args) -> int:
         print(f"== device: {envs.cuda_device()}", flush=True)
     sets = _selected(args)
     check_ledger()
+    families = [f for f in (args.families or "").split(",") if f] or None
+    targets = family_targets(families)
     lanes = ["gpu", "cpu"] if gpu else ["cpu"]
     args.results.parent.mkdir(parents=True, exist_ok=True)
     failed = []
@@ -243,11 +246,11 @@ def run_matrix(args) -> int:
             failed.append(vset.name)
             tracker.finished(vset.name, 0)
             continue
-        results.forget_cells(args.results, vset.name, lanes)  # a re-run replaces the set's cells in these lanes
+        results.forget_cells(args.results, vset.name, lanes, families)  # a re-run replaces the set's cells it runs
         lane_started = time.monotonic()
         selection = [] if gpu else [CPU_LANE]
         # Every set after the first loads the adapter the first one trained (stackcheck.exchange).
-        code = run_pytest(python, vset, ["tests/families"], ["-q", *selection, *arch_options(args.arch), *args.pytest_args],
+        code = run_pytest(python, vset, targets, ["-q", *selection, *arch_options(args.arch), *args.pytest_args],
                           args.results, sets[0].name, tracker.env())
         tracker.finished(vset.name, sum(1 for c in results.load(args.results)["cells"] if c["set"] == vset.name and c["lane"] in lanes))
         if code == 4:  # pytest's usage error: it printed the reason (a bad pytest argument, or the ledger)

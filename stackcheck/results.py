@@ -157,11 +157,13 @@ def record_cells(path: Path, cells: list[dict], run_fingerprint: str | None = No
         save(path, data)
 
 
-def forget_cells(path: Path, set_name: str, lanes: list[str]) -> None:
-    """Drop a set's cells in `lanes` before it is run again, so no stale cell survives a re-run."""
+def forget_cells(path: Path, set_name: str, lanes: list[str], families: list[str] | None = None) -> None:
+    """Drop a set's cells in `lanes` (of `families`, all when None) before they are run again, so no stale cell
+    survives a re-run and a run of some families keeps the others' cells."""
     with _locked(path):
         data = load(path)
-        data["cells"] = [c for c in data["cells"] if not (c["set"] == set_name and c["lane"] in lanes)]
+        data["cells"] = [c for c in data["cells"] if not (c["set"] == set_name and c["lane"] in lanes
+                                                           and (families is None or c["family"] in families))]
         save(path, data)
 
 

@@ -56,3 +56,11 @@ def test_a_rerun_forgets_only_the_lanes_it_runs(tmp_path):
     results.forget_cells(path, "seed", ["cpu"])
     assert [c["test"] for c in results.load(path)["cells"]] == ["t[gpu]"]
     assert "| family | arch | seed (gpu) |" in path.with_suffix(".md").read_text()
+
+
+def test_a_rerun_of_some_families_keeps_the_others(tmp_path):
+    path = tmp_path / "matrix.json"
+    results.record_set(path, "seed", VERSIONS)
+    results.record_cells(path, [cell("t[cpu]", "pass"), dict(cell("u[cpu]", "pass"), family="zero3_lora")])
+    results.forget_cells(path, "seed", ["cpu"], ["zero3_lora"])
+    assert [c["test"] for c in results.load(path)["cells"]] == ["t[cpu]"]

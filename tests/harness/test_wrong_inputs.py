@@ -99,6 +99,10 @@ def test_repro_names_its_own_set_option():
     assert refused("repro") == "stackcheck: name a test (--sets SET --test ID) or a results file (--from matrix.json [--sets A,B])"
 
 
+def test_matrix_of_an_unknown_family():
+    assert refused("matrix", "--sets", "seed", "--families", "zero3_lora,nope").startswith("stackcheck: unknown family 'nope' (families: ")
+
+
 def test_the_same_package_pinned_twice():
     assert refused("matrix", "--sets", "seed", "--with", "peft==0.19.1", "--with", "peft==0.20.0") == (
         "stackcheck: --with pins peft 2 times (peft==0.19.1, peft==0.20.0): keep one")
