@@ -270,7 +270,7 @@ def run_matrix(args) -> int:
 
 def run_tests(args) -> int:
     (vset,) = _selected(args)
-    python = envs.build(vset, args.find_links, args.no_index, groups=envs.FAMILY_GROUPS)
+    python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
     print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
     # CI's run: the families on the seed's architecture unless --arch widens it (new architectures still have
     # unexplained new failures, which `matrix` shows: see docs/architectures.md).

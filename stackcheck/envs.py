@@ -36,16 +36,17 @@ class EnvBuildError(Exception):
 # What `stackcheck wheelhouse` writes beside the wheels: per set, the wheels uv resolved for the target.
 WHEELHOUSE_MANIFEST = "wheelhouse.json"
 
-# Groups every family environment adds: the tests run the bench's CPU smoke mode, and the distributed families
-# launch DeepSpeed.
-FAMILY_GROUPS = ("bench", "dist")
+# What every environment holds beside the set's pins: the test runner, and the distributed families' DeepSpeed.
+FAMILY_EXTRAS = ("test", "dist")
+# Groups the `tests` and `bench` environments add: the tests run the bench's CPU smoke mode.
+BENCH_GROUPS = ("bench",)
 
 
 def test_requirements(vset: VersionSet, groups: tuple[str, ...] = ()) -> list[str]:
-    """What an environment holds beside the set's pins and torch: pyproject's `test` extra, plus the
+    """What an environment holds beside the set's pins and torch: pyproject's FAMILY_EXTRAS, plus the
     optional-dependency `groups` named, less the packages the set pins itself (its deepspeed, say)."""
     extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    return [requirement for group in ("test", *groups) for requirement in extras[group]
+    return [requirement for group in (*FAMILY_EXTRAS, *groups) for requirement in extras[group]
             if canonicalize_name(Requirement(requirement).name) not in vset.pins]
 
 
@@ -94,7 +95,7 @@ def environment_requirements(vset: VersionSet, groups: tuple[str, ...] = ()) -> 
 
 def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False, groups: tuple[str, ...] = ()) -> Path:
     """Create (or reuse, when its requirements are unchanged) the set's environment; return its python.
-    `groups` are optional-dependency groups added to the test requirements (FAMILY_GROUPS); each
+    `groups` are optional-dependency groups added to the test requirements (BENCH_GROUPS); each
     combination gets its own environment, so commands that need different groups never rebuild each other's."""
     requirements, inherit = environment_requirements(vset, groups)
     print(f"== {torch_note(vset)}", flush=True)

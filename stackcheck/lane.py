@@ -100,7 +100,7 @@ def bench_set(vset: VersionSet, size: str, results_dir: Path, find_links=(), no_
     """Run tests/benchmarks in the set's environment into <set>.json; True when every benchmark ran."""
     output = results_dir / f"{vset.slug}.json"
     try:
-        python = envs.build(vset, find_links, no_index, groups=envs.FAMILY_GROUPS)
+        python = envs.build(vset, find_links, no_index, groups=envs.BENCH_GROUPS)
         print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
     except envs.EnvBuildError as exc:
         output.unlink(missing_ok=True)  # the set is missing from this run's report, not shown with old numbers

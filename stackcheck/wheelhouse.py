@@ -39,7 +39,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from stackcheck.envs import FAMILY_GROUPS, EnvBuildError, test_requirements
+from stackcheck.envs import BENCH_GROUPS, EnvBuildError, test_requirements
 from stackcheck.envs import WHEELHOUSE_MANIFEST as MANIFEST
 from stackcheck.versions import UsageError, VersionSet
 
@@ -151,11 +151,11 @@ def compile_pins(requirements: list[str], python_version: str, host: dict[str, V
 
 def wheels_for_set(vset: VersionSet, download, python_version: str, host: dict[str, Version], cuda: str | None,
                    index_args=()) -> list[Path]:
-    """The wheels the target lacks for the set's pins and the extras every family environment installs
-    (FAMILY_GROUPS), in the versions uv resolves for it."""
+    """The wheels the target lacks for the set's pins, the extras every family environment installs (FAMILY_EXTRAS)
+    and the bench's (BENCH_GROUPS), in the versions uv resolves for it."""
     if any(pin.url for pin in vset.pins.values()):
         raise UsageError(f"set '{vset.name}': the wheelhouse takes released versions only; pin a built wheel with NAME=PATH and copy it in")
-    pins = compile_pins(vset.requirements() + test_requirements(vset, FAMILY_GROUPS), python_version, host, index_args)
+    pins = compile_pins(vset.requirements() + test_requirements(vset, BENCH_GROUPS), python_version, host, index_args)
     wheels = [download(name, SpecifierSet(f"=={version}")) for name, version in pins.items()
               if name not in PROVIDED_BY_TARGET and host.get(name) != version]
     if cuda:
