@@ -5,7 +5,9 @@ A bench JSON is pytest-benchmark's `--benchmark-json` output of tests/benchmarks
 case, phase) whose `stats` are seconds per timed round (median, IQR, ...) and whose `extra_info` holds
 what a round produced or, for the training step, took in (tokens), memory, parameters, weight bytes
 and, for decode, the weight bytes read per token; plus a top-level `stackcheck` block (set, versions,
-device, mode, bandwidth, synthetic slowdown) written by stackcheck.bench.plugin.
+device, mode, bandwidth, synthetic slowdown) written by stackcheck.bench.plugin, and in it `distributed`: the
+distributed training case's cells (stackcheck.bench.distributed.measure), each every rank's numbers or why the cell
+was not measured, timed by the ranks rather than by pytest-benchmark.
 """
 
 from __future__ import annotations
@@ -51,6 +53,14 @@ THRESHOLDS = (
     Threshold("peak_allocated_bytes", 1.10, higher_is_better=False),
     Threshold("peak_reserved_bytes", 1.10, higher_is_better=False),
 )
+# The distributed case, per (size, engine, world size): the job's tokens/s is gated on a GPU at the realistic size
+# only, where the batch (4 x 2048 tokens a rank) is long enough for the GPU to set the speed; the tiny size's and the
+# CPU's (two gloo ranks sharing a CI machine's cores) are reported, never gated. The highest peak allocated of any
+# rank is gated on a GPU (the CPU has none).
+DISTRIBUTED_THRESHOLDS = (
+    Threshold("train_tokens_per_s", 0.90, higher_is_better=True, sizes=("realistic",), devices=("gpu",)),
+    Threshold("peak_allocated_bytes", 1.10, higher_is_better=False, devices=("gpu",)),
+)
 
 
 def device_kind(run: dict) -> str:
@@ -65,6 +75,10 @@ def coefficient_of_variation(values: list[float]) -> float:
 # What summarize and bench_report read from a bench JSON with no default to fall back on.
 ENTRY_KEYS = {"stats": ("median", "iqr"), "extra_info": ("size", "case", "phase", "tokens", "parameters", "weights")}
 NOT_MEASURED_KEYS = ("size", "case", "phase", "reason")
+DISTRIBUTED_KEYS = ("size", "engine", "world_size")
+DISTRIBUTED_WORKLOAD_KEYS = ("model", "rows", "sequence", "steps", "ranks")
+DISTRIBUTED_RANK_KEYS = ("rank", "job_tokens_per_s", "step_seconds", "half_batch_time_ratio", "arithmetic",
+                         "expected_on_rank_bytes", "held_bytes")
 
 
 def load(path: Path) -> dict:
@@ -81,6 +95,12 @@ def _shape_problem(run) -> str | None:
     skipped = meta.get("not_measured", [])
     if not (isinstance(skipped, list) and all(_has(item, NOT_MEASURED_KEYS) for item in skipped)):
         return f"`stackcheck.not_measured` is not a list of objects with {', '.join(NOT_MEASURED_KEYS)}"
+    cells = meta.get("distributed", [])
+    if not (isinstance(cells, list) and all(_has(cell, DISTRIBUTED_KEYS) and (isinstance(cell.get("not_measured"), str) or (
+            _has(cell, DISTRIBUTED_WORKLOAD_KEYS) and isinstance(cell["ranks"], list) and cell["ranks"]
+            and all(_has(r, DISTRIBUTED_RANK_KEYS) for r in cell["ranks"]))) for cell in cells)):
+        return (f"`stackcheck.distributed` is not a list of objects with {', '.join(DISTRIBUTED_KEYS)} and either "
+                f"`not_measured` or {', '.join(DISTRIBUTED_WORKLOAD_KEYS)}, each rank with {', '.join(DISTRIBUTED_RANK_KEYS)}")
     for index, entry in enumerate(run["benchmarks"]):
         if not (isinstance(entry, dict) and all(_has(entry.get(block), keys) for block, keys in ENTRY_KEYS.items())):
             return f"benchmark {index} has no " + " and ".join(f"`{b}` with {', '.join(k)}" for b, k in ENTRY_KEYS.items())
@@ -127,6 +147,48 @@ def summarize(run: dict) -> dict[str, dict]:
     return cases
 
 
+def distributed_key(size: str, engine: str, world_size: int) -> str:
+    return f"{size}/{engine}/ws{world_size}"
+
+
+def summarize_distributed(run: dict) -> dict[str, dict]:
+    """Per cell of the distributed case, keyed 'size/engine/wsN': the job's tokens/s (`train_tokens_per_s`, its
+    slowest rank's) and that rank's step times' spread (IQR over median), the highest half-batch time ratio of any
+    rank (stackcheck.bench.distributed: 0.5 when the GPU sets the speed, 1 when the host does), the highest peak
+    allocated of any rank over load and prepare or the timed steps (`peak_allocated_bytes`, GPU only), `workload` (what makes two runs comparable: model, batch, steps), the
+    cell's record, and `not_measured` as summarize has it."""
+    cells: dict[str, dict] = {}
+    for record in run.get("stackcheck", {}).get("distributed", []):
+        row = {key: record[key] for key in DISTRIBUTED_KEYS} | {"record": record}
+        cells[distributed_key(record["size"], record["engine"], record["world_size"])] = row
+        if "not_measured" in record:
+            row["not_measured"] = {"train": record["not_measured"]}
+            continue
+        row["workload"] = f"{record['model']}, {record['rows']} x {record['sequence']} tokens a rank, {record['steps']} steps"
+        slowest = min(record["ranks"], key=lambda rank: rank["job_tokens_per_s"])
+        row["train_tokens_per_s"] = slowest["job_tokens_per_s"]
+        row["train_spread"] = relative_spread(slowest["step_seconds"])
+        row["half_batch_time_ratio"] = max(rank["half_batch_time_ratio"] for rank in record["ranks"])
+        peaks = [rank[key] for rank in record["ranks"] for key in ("peak_allocated_load_prepare_bytes", "peak_allocated_steps_bytes")
+                 if rank.get(key) is not None]
+        if peaks:
+            row["peak_allocated_bytes"] = max(peaks)
+    return cells
+
+
+def relative_spread(values: list[float]) -> float:
+    """IQR over median, as pytest-benchmark's stats give it for the other cases."""
+    quartiles = statistics.quantiles(values, n=4, method="inclusive")
+    return (quartiles[2] - quartiles[0]) / statistics.median(values)
+
+
+def scaling_efficiency(cells: dict[str, dict], size: str, engine: str) -> float | None:
+    """World size 2's tokens/s over twice world size 1's (1.0: perfect data-parallel scaling), where both were measured."""
+    one = cells.get(distributed_key(size, engine, 1), {}).get("train_tokens_per_s")
+    two = cells.get(distributed_key(size, engine, 2), {}).get("train_tokens_per_s")
+    return two / (2 * one) if one and two else None
+
+
 def not_measured_reason(row: dict, metric: str) -> str | None:
     """Why a case's benchmark of `metric`'s phase recorded no number, when it said so (see summarize)."""
     return row.get("not_measured", {}).get(metric.removesuffix("_tokens_per_s"))
@@ -135,9 +197,10 @@ def not_measured_reason(row: dict, metric: str) -> str | None:
 def compare(candidate: dict, baseline: dict, thresholds: tuple[Threshold, ...] = THRESHOLDS) -> list[str]:
     """Problems of a candidate bench JSON against a baseline one, as one line each (none: it passes).
 
-    Ratios are candidate / baseline per case and metric, checked against `thresholds`; a metric the
+    Ratios are candidate / baseline per case and metric, checked against `thresholds` (the distributed case's cells
+    against DISTRIBUTED_THRESHOLDS); a metric the
     baseline could not measure (VRAM on a CPU run) is not compared, one only the candidate lacks fails. Also a problem: a case the
-    baseline has and the candidate lacks, a different model, runs of different modes or devices, and a
+    baseline has and the candidate lacks, a different model (or distributed workload), runs of different modes or devices, and a
     candidate measured with the test-only synthetic slowdown."""
     problems = []
     ours, theirs = candidate.get("stackcheck", {}), baseline.get("stackcheck", {})
@@ -147,28 +210,36 @@ def compare(candidate: dict, baseline: dict, thresholds: tuple[Threshold, ...] =
     for field in ("mode", "device"):
         if ours.get(field) != theirs.get(field):
             problems.append(f"not comparable: candidate {field} {ours.get(field)!r}, baseline {theirs.get(field)!r}")
-    measured, kind = summarize(candidate), device_kind(baseline)
-    for key, reference in summarize(baseline).items():
-        row = measured.get(key)
-        if row is None:
-            problems.append(f"{key}: in the baseline, missing from the candidate (its benchmark failed or did not run)")
+    kind = device_kind(baseline)
+    for measured, references, checked in ((summarize(candidate), summarize(baseline), thresholds),
+                                          (summarize_distributed(candidate), summarize_distributed(baseline), DISTRIBUTED_THRESHOLDS)):
+        for key, reference in references.items():
+            problems += _ratio_problems(key, measured.get(key), reference, checked, kind)
+    return problems
+
+
+def _ratio_problems(key: str, row: dict | None, reference: dict, thresholds: tuple[Threshold, ...], kind: str) -> list[str]:
+    """One case's (or distributed cell's) problems against the baseline's."""
+    if row is None:
+        return [f"{key}: in the baseline, missing from the candidate (its benchmark failed or did not run)"]
+    if row.get("parameters") != reference.get("parameters"):
+        return [f"{key}: not comparable: {row.get('parameters')} parameters, baseline {reference.get('parameters')}"]
+    if "workload" in row and "workload" in reference and row["workload"] != reference["workload"]:
+        return [f"{key}: not comparable: {row['workload']}, baseline {reference['workload']}"]
+    problems = []
+    for threshold in thresholds:
+        applies = reference["size"] in threshold.sizes and kind in threshold.devices
+        if not applies or not reference.get(threshold.metric):
             continue
-        if row["parameters"] != reference["parameters"]:
-            problems.append(f"{key}: not comparable: {row['parameters']} parameters, baseline {reference['parameters']}")
+        if not row.get(threshold.metric):
+            why = not_measured_reason(row, threshold.metric) or "its benchmark failed or did not run"
+            problems.append(f"{key}: {threshold.metric} measured in the baseline, not in the candidate: {why}")
             continue
-        for threshold in thresholds:
-            applies = reference["size"] in threshold.sizes and kind in threshold.devices
-            if not applies or not reference.get(threshold.metric):
-                continue
-            if not row.get(threshold.metric):
-                why = not_measured_reason(row, threshold.metric) or "its benchmark failed or did not run"
-                problems.append(f"{key}: {threshold.metric} measured in the baseline, not in the candidate: {why}")
-                continue
-            ratio = row[threshold.metric] / reference[threshold.metric]
-            if threshold.breached(ratio):
-                sign = "<" if threshold.higher_is_better else ">"
-                problems.append(
-                    f"{key}: {threshold.metric} ratio {ratio:.3f} {sign} {threshold.limit} "
-                    f"({row[threshold.metric]:.4g} vs baseline {reference[threshold.metric]:.4g})"
-                )
+        ratio = row[threshold.metric] / reference[threshold.metric]
+        if threshold.breached(ratio):
+            sign = "<" if threshold.higher_is_better else ">"
+            problems.append(
+                f"{key}: {threshold.metric} ratio {ratio:.3f} {sign} {threshold.limit} "
+                f"({row[threshold.metric]:.4g} vs baseline {reference[threshold.metric]:.4g})"
+            )
     return problems

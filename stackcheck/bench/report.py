@@ -1,6 +1,7 @@
 """results/bench.md and one PNG per metric, rendered from each set's bench JSON: every set's numbers side
 by side, as ratios against a baseline set measured in the same run, with the gate's verdict, the decode
-roofline, expected against measured weight bytes, and the repeatability of the 4-bit decode.
+roofline, expected against measured weight bytes, the repeatability of the 4-bit decode, and the distributed
+training case (tokens/s at world sizes 1 and 2, scaling efficiency, per-rank memory against the sharding arithmetic).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def render(runs: dict[str, dict], baseline: str, markdown: Path, plots_dir: Path
     lines += _roofline(runs, summaries)
     lines += _weights(summaries)
     lines += _repeatability(summaries)
+    lines += _distributed(runs, baseline)
     if plots:
         lines += ["## Plots", ""] + [f"![{title}]({relative}/{name})" for name, title in plots] + [""]
     markdown.parent.mkdir(parents=True, exist_ok=True)
@@ -78,21 +80,25 @@ def _runs_table(runs: dict[str, dict]) -> list[str]:
 
 
 def _gate(runs: dict[str, dict], baseline: str) -> list[str]:
-    rules = "; ".join(
-        f"{t.metric} ratio {'<' if t.higher_is_better else '>'} {t.limit} fails ({'/'.join(t.sizes)} on {'/'.join(t.devices)})"
-        for t in bench_compare.THRESHOLDS
-    )
-    lines = ["## Gate", "", f"Thresholds (stackcheck.bench.compare.THRESHOLDS): {rules}.", ""]
+    def rules(thresholds) -> str:
+        return "; ".join(f"{t.metric} ratio {'<' if t.higher_is_better else '>'} {t.limit} fails "
+                         f"({'/'.join(t.sizes)} on {'/'.join(t.devices)})" for t in thresholds)
+
+    lines = ["## Gate", "", f"Thresholds (stackcheck.bench.compare.THRESHOLDS): {rules(bench_compare.THRESHOLDS)}.", "",
+             "The distributed training case, per size, engine and world size (DISTRIBUTED_THRESHOLDS; tokens/s is the job's, "
+             f"peak allocated the highest of any rank): {rules(bench_compare.DISTRIBUTED_THRESHOLDS)}.", ""]
     for name, run in runs.items():
         if name == baseline:
             continue
         problems = bench_compare.compare(run, runs[baseline])
         lines.append(f"- **{name}** against {baseline}: " + ("pass" if not problems else f"**fail**, {len(problems)} problem(s)"))
         lines += [f"  - {problem}" for problem in problems]
-    unmeasured = runs[baseline].get("stackcheck", {}).get("not_measured", [])
+    unmeasured = [f"- {item['size']}/{item['case']} {item['phase']}: {item['reason']}"
+                  for item in runs[baseline].get("stackcheck", {}).get("not_measured", [])]
+    unmeasured += [f"- distributed {key}: {row['not_measured']['train']}"
+                   for key, row in bench_compare.summarize_distributed(runs[baseline]).items() if "not_measured" in row]
     if unmeasured:
-        lines += ["", "Not compared, because the baseline could not measure them:"]
-        lines += [f"- {item['size']}/{item['case']} {item['phase']}: {item['reason']}" for item in unmeasured]
+        lines += ["", "Not compared, because the baseline could not measure them:", *unmeasured]
     return lines + [""]
 
 
@@ -196,6 +202,61 @@ def _repeatability(summaries) -> list[str]:
     for name, key, mode, values in rows:
         lines.append(f"| {name} | {key} | {mode} | {len(values)} | {', '.join(_number(v) for v in values)} | "
                      f"{bench_compare.coefficient_of_variation(values):.2%} |")
+    return lines + [""]
+
+
+def _distributed(runs: dict[str, dict], baseline: str) -> list[str]:
+    """The distributed training case (stackcheck.bench.distributed): the job's tokens/s at world sizes 1 and 2 with
+    the scaling efficiency, then every rank's memory against the sharding arithmetic."""
+    cells = {name: bench_compare.summarize_distributed(run) for name, run in runs.items()}
+    pairs = list(dict.fromkeys((row["size"], row["engine"]) for rows in cells.values() for row in rows.values()))
+    if not pairs:
+        return []
+    lines = ["## Distributed QLoRA training (FSDP2, DeepSpeed ZeRO-3)", "",
+             "Launched as users launch them (`accelerate launch --config_file fixtures/distributed/<engine>.yaml`), the "
+             "families' recipes, each rank training its own micro batch. Tokens/s of the job = tokens a rank's step x world "
+             "size / the median synchronized step, its slowest rank's, ± IQR/median of its steps; the ratio is against the "
+             "baseline set. [half batch r]: the step time on half the batch over the full one's, the highest of any rank "
+             "(0.5: the GPU sets the speed; 1: the host does). Scaling efficiency = world size 2's tokens/s / (2 x world "
+             "size 1's).", "",
+             "| set | size | engine | workload | ws1 tokens/s | ws2 tokens/s | scaling efficiency |", "|---" * 7 + "|"]
+    for name, rows in cells.items():
+        for size, engine in pairs:
+            cols = []
+            for world_size in (1, 2):
+                key = bench_compare.distributed_key(size, engine, world_size)
+                row, reference = rows.get(key, {}), cells[baseline].get(key, {}).get("train_tokens_per_s")
+                if "train_tokens_per_s" not in row:
+                    why = bench_compare.not_measured_reason(row, "train_tokens_per_s")
+                    cols.append(f"not measured: {why}" if why else "")
+                    continue
+                ratio = f" (×{row['train_tokens_per_s'] / reference:.3f})" if name != baseline and reference else ""
+                cols.append(f"{_number(row['train_tokens_per_s'])} ±{row['train_spread']:.0%}{ratio} "
+                            f"[half batch {row['half_batch_time_ratio']:.2f}]")
+            workload = next((row["workload"] for row in rows.values() if (row["size"], row["engine"]) == (size, engine)
+                             and "workload" in row), "")
+            efficiency = bench_compare.scaling_efficiency(rows, size, engine)
+            lines.append(f"| {name} | {size} | {engine} | {workload} | " + " | ".join(cols)
+                         + f" | {f'{efficiency:.1%}' if efficiency is not None else ''} |")
+    lines += ["", "Per rank: peak allocated (torch allocator) from the rank's start through `prepare` (load and sharding), "
+              "and over the timed steps (reset at their start); allocated at rest after `prepare`; the arithmetic of what the "
+              "rank should hold at rest (each part's bytes / world size where the engine shards it, whole where it does not) "
+              "beside what its parameters hold (shards padded). The peaks' excess over the arithmetic is the step's: "
+              "activations, gradients, the layers an engine gathers, AdamW's moments.", "",
+              "| set | size | engine | ws | rank | peak load+prepare MiB | peak steps MiB | allocated at rest MiB "
+              "| arithmetic MiB | held MiB | sharded | whole |", "|---" * 12 + "|"]
+    for name, rows in cells.items():
+        for row in rows.values():
+            for rank in row["record"].get("ranks", []):
+                memory = [rank.get(key) for key in ("peak_allocated_load_prepare_bytes", "peak_allocated_steps_bytes",
+                                                    "allocated_after_prepare_bytes")]
+                parts = rank["arithmetic"]
+                sharded = [part for part, sizes in parts.items() if sizes["sharded_bytes"]]
+                whole = [part for part, sizes in parts.items() if sizes["whole_bytes"] > sizes["sharded_bytes"]]
+                cols = [str(row["world_size"]), str(rank["rank"]), *(_number(v, MIB) if v is not None else "" for v in memory),
+                        _number(rank["expected_on_rank_bytes"], MIB), _number(rank["held_bytes"], MIB),
+                        ", ".join(sharded), ", ".join(whole)]
+                lines.append(f"| {name} | {row['size']} | {row['engine']} | " + " | ".join(cols) + " |")
     return lines + [""]
 
 

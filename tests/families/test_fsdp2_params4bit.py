@@ -38,13 +38,12 @@ takes 36 s (seed) and 27 s (latest) here.
 import torch
 
 from stackcheck import scenario
-from stackcheck.distributed import rank as rank_side
+from stackcheck.distributed import rank as rank_side, recipes
 from stackcheck.distributed.cells import WORLD_SIZES
 from stackcheck.models import architectures, tiny
 
 ARCHITECTURE = "llama3"
 STEPS = 3
-LEARNING_RATE = 1e-3
 TOLERANCE = 1e-3
 
 
@@ -55,9 +54,8 @@ def qlora_model(under_test):
                     if type(p).__name__ == "Params4bit" and p.dtype == torch.uint8 and not p.requires_grad]
     scenario.require(frozen_uint8, "the base holds no frozen uint8 Params4bit")
     scenario.require(base.get_input_embeddings().weight is base.get_output_embeddings().weight, "the embeddings are not tied")
-    torch.manual_seed(0)
-    model = scenario.qlora_model(under_test, base)
-    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
+    model = recipes.fsdp_qlora_model(under_test, base)
+    return model, recipes.optimizer_for(model)
 
 
 def lora_weights(model) -> dict[str, torch.Tensor]:

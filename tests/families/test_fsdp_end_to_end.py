@@ -40,17 +40,14 @@ relative error 0.0; the FSDP2 losses (first to third step):
 
 import dataclasses
 
-import torch
-
 from stackcheck import scenario
-from stackcheck.distributed import rank as rank_side
+from stackcheck.distributed import rank as rank_side, recipes
 from stackcheck.distributed.cells import WORLD_SIZES
 from stackcheck.models import tiny
 from stackcheck.models.architectures import Architecture
 from tests.families.test_fsdp2_params4bit import lora_weights
 
 STEPS = 3
-LEARNING_RATE = 1e-3
 TOLERANCE = 1e-3
 
 
@@ -58,9 +55,8 @@ def qlora_model(under_test):
     """The QLoRA recipe on a fresh 4-bit base, its LoRA initialised from one seed on every rank and in one process."""
     base = scenario.load_base(under_test)
     scenario.require(scenario.linear4bit_modules(base), "the base holds no 4-bit layer")
-    torch.manual_seed(0)
-    model = scenario.qlora_model(under_test, base)
-    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
+    model = recipes.fsdp_qlora_model(under_test, base)
+    return model, recipes.optimizer_for(model)
 
 
 def require_sharded(model) -> None:

@@ -48,6 +48,7 @@ import torch
 
 from stackcheck import scenario
 from stackcheck.distributed import rank as rank_side
+from stackcheck.distributed.recipes import LEARNING_RATE, deepspeed_stage3_accelerator, optimizer_for, zero3_qlora_model
 from stackcheck.distributed.cells import WORLD_SIZES
 from stackcheck.models import architectures, tiny
 
@@ -56,16 +57,7 @@ EXPERT_ARCHITECTURE = "qwen3moe"
 # The fused expert parameter the expert LoRA targets, as `test_adapter_round_trip` does.
 EXPERT_TARGET = "experts.down_proj"
 STEPS = 3
-LEARNING_RATE = 1e-3
 TOLERANCE = 2e-3
-
-
-def deepspeed_stage3_accelerator():
-    accelerator = rank_side.accelerator()
-    plugin = accelerator.state.deepspeed_plugin
-    scenario.require(plugin is not None and plugin.zero_stage == 3,
-                     f"accelerate's state is {accelerator.distributed_type}, not DeepSpeed ZeRO-3")
-    return accelerator
 
 
 def require_partitioned(named: dict[str, torch.nn.Parameter], what: str) -> None:
@@ -104,30 +96,15 @@ def sharded_steps(accelerator, under_test, model, optimizer) -> list[float]:
     return model, losses
 
 
-def optimizer_for(model):
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
-
-
-def qlora_model(under_test):
-    """The ZeRO-3 QLoRA recipe on a fresh 4-bit base stored as bf16, its LoRA initialised from one seed. No
-    device map: transformers refuses one under ZeRO-3, and bitsandbytes loads onto the rank's current device."""
-    config = scenario.bnb_config()
-    config.bnb_4bit_quant_storage = torch.bfloat16
-    arch = under_test.arch
-    base = scenario.load_pretrained(tiny.model_class(arch), tiny.base_checkpoint(arch), True, True, None, quantization_config=config)
-    torch.manual_seed(0)
-    return scenario.qlora_model(under_test, base)
-
-
 def qlora_steps_under_zero3() -> dict:
     """On every rank: the recipe in one process, then under the launch's ZeRO-3; the largest differences."""
     under_test = scenario.UnderTest(architectures.builtin()[ARCHITECTURE], rank_side.device())
-    model = qlora_model(under_test)
+    model = zero3_qlora_model(under_test)
     single_losses = scenario.train_steps(under_test, model, optimizer_for(model), STEPS)
     single_weights = lora_weights(model)
 
     accelerator = deepspeed_stage3_accelerator()
-    model = qlora_model(under_test)
+    model = zero3_qlora_model(under_test)
     engine, losses = sharded_steps(accelerator, under_test, model, optimizer_for(model))
     require_partitioned({n: p for n, p in engine.module.named_parameters() if type(p).__name__ == "Params4bit"}, "4-bit weights")
     return rank_side.assert_matches_one_process("ZeRO-3", losses, single_losses, lora_weights(engine.module), single_weights, TOLERANCE)
@@ -136,7 +113,7 @@ def qlora_steps_under_zero3() -> dict:
 def expert_lora_model(arch, base):
     from peft import get_peft_model
 
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the same LoRA on every rank and in one process
     model = get_peft_model(base, tiny.lora_config(arch, "language", target_modules=[], target_parameters=[EXPERT_TARGET]))
     return model.train()
 
@@ -176,7 +153,7 @@ def trainer_saves_the_adapter(output_dir: str) -> dict:
     args = TrainingArguments(output_dir, per_device_train_batch_size=1, max_steps=STEPS, learning_rate=LEARNING_RATE,
                              report_to="none", save_strategy="no", use_cpu=rank_side.lane() == "cpu")
     under_test = scenario.UnderTest(architectures.builtin()[ARCHITECTURE], rank_side.device())
-    model = qlora_model(under_test)
+    model = zero3_qlora_model(under_test)
     batch = scenario.training_batch(torch.device("cpu"), model.config)
     trainer = Trainer(model=model, args=args, train_dataset=[{k: v[0] for k, v in batch.items()}] * STEPS)
     trainer.train()

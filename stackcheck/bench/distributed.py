@@ -1,0 +1,314 @@
+"""The bench's distributed training case: QLoRA optimizer steps under FSDP2 and DeepSpeed ZeRO-3 at world sizes 1 and
+2, launched as users launch them (stackcheck.distributed.launcher: `accelerate launch --config_file
+fixtures/distributed/<engine>.yaml`), measured on every rank.
+
+The recipes are the distributed families' (stackcheck.distributed.recipes): FSDP2's NF4 with double quant in uint8
+storage, `device_map` on the rank's device, `prepare(model, optimizer)`; ZeRO-3's bf16 quant storage, no device map,
+`prepare` with a DataLoader so that ZeRO's "auto" batch sizes are filled. Both train a fresh LoRA (tiny.lora_config: rank 4 on PEFT's default targets) with AdamW
+after `prepare_model_for_kbit_training`, which casts every parameter that is not 4-bit to fp32 and turns on gradient
+checkpointing.
+
+The model: Llama 3.2 1B, the full-size config of fixtures/architectures/llama3.json (1,235,814,400 parameters) with
+random weights, for the realistic size; its tiny shrink for the tiny size. Not the bench's realistic Gemma 4 E4B: its
+tiny version already fails under FSDP2 on seed (test_fsdp2_params4bit's docstring), so it would measure a failure,
+and Llama 3.2 1B (tied embeddings, the dense decoder of the FSDP-QLoRA guides) is what both engines train. The
+checkpoint is built once (tiny.base_checkpoint's cache), its random init on the GPU as tiny.realistic_checkpoint
+builds the bench's Gemma 4, by the bench process before the ranks start; each rank then loads it through
+`from_pretrained`, so bitsandbytes quantizes it on the real loading path.
+
+The batch: each rank trains its own micro batch of `rows` x `sequence` random tokens, 4 x 2048 at realistic size (a
+usual fine-tuning context). Chosen by arithmetic, not measured (no GPU where this was written): a step is about
+8192 x (6 x 0.97e9 + 4 x 0.26e9) = 5.6e13 FLOP (forward, the checkpointed forward again and the input gradients
+through the 4-bit linears; forward and input gradients through the fp32 tied lm_head), a few hundred milliseconds of
+an H100, while the host's kernel launches (three passes over 16 layers) do not grow with the tokens: the families'
+12-token step launches the same kernels for 1/680 of the work. Every run checks the choice: each rank also times the
+steps on half the batch (`half_batch_time_ratio`: about 0.5 when the GPU sets the speed, about 1 when the host does).
+
+Measured on every rank, after `warmup` untimed steps: the `steps` timed steps, each synchronized with the device
+(torch.cuda.synchronize) and the ranks started together (a barrier); tokens/s of the whole job = rows x sequence x
+world size / the rank's median step time (the ranks step in lockstep: the job's number is its slowest rank's). On a
+GPU: peak allocated bytes from the start of the rank to the end of `prepare` (load and sharding), and again over the
+timed steps (the peak statistics reset at their start); allocated bytes at rest after `prepare`. And the sharding
+arithmetic (`weight_parts`, `expected_on_rank`): what the rank should hold at rest, each part's bytes / world size
+where the engine shards it (a DTensor under FSDP2, a ZeRO-3 partitioned parameter), whole where it does not, beside
+the bytes the rank's parameters really hold (`held_bytes`: shards are padded). The 4-bit quant states (absmax and the
+nested state) are attributes, not parameters: no engine shards them. Which parameters the engine shards is read
+from the prepared model, not assumed: accelerate >= 1.14 excludes FSDP2's uint8 4-bit weights from sharding
+(accelerate#3987), 1.13 shards them.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from stackcheck import REPO_ROOT
+
+ENGINES = ("fsdp2", "zero3")
+WORLD_SIZES = (1, 2)
+# The bench's model comes from the repository's own fixture, not stackcheck.models.tiny.FIXTURES_DIR: a harness test
+# points that at a folder holding only the seed's fixtures to run the bench's smoke mode on a shrunk realistic model.
+ARCHITECTURE_FILE = REPO_ROOT / "fixtures" / "architectures" / "llama3.json"
+REALISTIC_NAME = "llama3-1b"
+MODELS = {"tiny": "tiny Llama 3 (llama3.json shrunk)", "realistic": "Llama 3.2 1B (llama3.json)"}
+# Seconds a launched job may run before its ranks count as hung: a realistic job loads and quantizes 1.2B parameters
+# on every rank and takes a few dozen steps of hundreds of milliseconds.
+TIMEOUTS = {"tiny": 180.0, "realistic": 600.0}
+# What a cell's test may take beyond its job (pytest's `timeout` is 300 s): a first build of the realistic checkpoint,
+# random init of 1.2B parameters on the GPU and 2.5 GB of safetensors written.
+BUILD_SECONDS = 300.0
+RANK_FUNCTION = f"{__name__}:train_rank"
+
+
+@dataclass(frozen=True)
+class Profile:
+    rows: int  # sequences in each rank's micro batch
+    sequence: int  # tokens per sequence
+    warmup: int  # untimed steps
+    steps: int  # timed steps
+
+
+PROFILES = {
+    ("tiny", False): Profile(rows=4, sequence=256, warmup=2, steps=10),
+    ("realistic", False): Profile(rows=4, sequence=2048, warmup=3, steps=10),
+    # The smoke run exercises the launch and the recording, on the CPU in CI: about the families' 12 tokens.
+    ("tiny", True): Profile(rows=2, sequence=8, warmup=1, steps=2),
+}
+
+
+def sizes(bench_sizes: list[str], smoke: bool) -> list[str]:
+    """The sizes the distributed case runs: the bench's, and in smoke mode only the tiny one (a 1.2B model over gloo
+    on a CI machine's cores is no smoke test)."""
+    return [size for size in bench_sizes if (size, smoke) in PROFILES]
+
+
+def architecture(size: str):
+    """The Llama 3.2 1B fixture: shrunk as the built-in `llama3` (the same Architecture, so the same tiny checkpoint)
+    for the tiny size, whole for the realistic one."""
+    from stackcheck.models import architectures
+
+    written = json.loads(ARCHITECTURE_FILE.read_text())
+    source = str(ARCHITECTURE_FILE.relative_to(REPO_ROOT))
+    declared = written.get("_structures", ())
+    if size == "tiny":
+        return architectures.Architecture("llama3", source, architectures.shrink(written, ARCHITECTURE_FILE.name), declared)
+    full = {key: value for key, value in written.items() if not key.startswith("_")}
+    return architectures.Architecture(REALISTIC_NAME, source, full, declared)
+
+
+def build_checkpoint(size: str, device) -> Path:
+    """The size's bf16 checkpoint, built once (tiny.base_checkpoint's cache) with its random init on `device`, before
+    any rank reads it; the build's memory goes back to the device."""
+    import torch
+
+    from stackcheck.models import tiny
+
+    with torch.device(device):
+        checkpoint = tiny.base_checkpoint(architecture(size))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return checkpoint
+
+
+def not_measured_reason(world_size: int, lane: str, gpus: int) -> str | None:
+    """Why a world size cannot run here: the CPU lane runs its gloo ranks only, the GPU lane needs a GPU a rank."""
+    from stackcheck.distributed.cells import CPU_WORLD_SIZE
+
+    if lane == "cpu" and world_size != CPU_WORLD_SIZE:
+        return f"the CPU lane runs {CPU_WORLD_SIZE} ranks over gloo"
+    if lane == "gpu" and gpus < world_size:
+        return f"{gpus} GPU{'s' if gpus != 1 else ''}"
+    return None
+
+
+def measure(size: str, engine: str, world_size: int, smoke: bool, device, workdir: Path) -> dict:
+    """One cell of the case: the job launched on `world_size` ranks of the lane `device` names, every rank's numbers
+    (RanksFailed unless every rank passed), or why the world size cannot run on this host."""
+    import torch
+
+    from stackcheck.distributed import launcher
+    from stackcheck.distributed.outcome import raise_unless_passed
+
+    lane = "gpu" if device.type == "cuda" else "cpu"
+    record = {"size": size, "engine": engine, "world_size": world_size, "lane": lane}
+    reason = not_measured_reason(world_size, lane, torch.cuda.device_count())
+    if reason:
+        return {**record, "not_measured": reason}
+    build_checkpoint(size, device)
+    profile = PROFILES[size, smoke]
+    outcomes = launcher.launch(RANK_FUNCTION, workdir, world_size, engine, lane, TIMEOUTS[size],
+                               {"size": size, "engine": engine, **asdict(profile)})
+    raise_unless_passed(outcomes)
+    return {**record, "model": MODELS[size], **asdict(profile),
+            "ranks": [outcome.result for outcome in outcomes]}
+
+
+# --- the rank's side --------------------------------------------------------------------------------
+
+
+def train_rank(size: str, engine: str, rows: int, sequence: int, warmup: int, steps: int) -> dict:
+    """On every rank: the engine's QLoRA recipe loaded and prepared, `warmup` steps, then `steps` timed ones."""
+    import torch
+
+    from stackcheck import scenario
+    from stackcheck.bench.harness import synchronize
+    from stackcheck.distributed import rank as rank_side
+
+    device = rank_side.device()
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(device)  # the allocator's statistics exist once the rank's device is current
+        torch.cuda.reset_peak_memory_stats(device)
+    under_test = scenario.UnderTest(architecture(size), device)
+    accelerator, model, optimizer, parts = _prepared(engine, under_test, rows)
+    # The process group's, not accelerate's: on the CPU, accelerate counts one process under DeepSpeed (zero3.yaml).
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    memory = {}
+    if on_gpu:
+        memory = {"allocated_after_prepare_bytes": torch.cuda.memory_allocated(device),
+                  "peak_allocated_load_prepare_bytes": torch.cuda.max_memory_allocated(device)}
+
+    generator = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, _unwrapped(model, engine).config.vocab_size, (rows, sequence), generator=generator).to(device)
+    batch = {"input_ids": ids, "labels": ids}
+
+    half = {key: value[: rows // 2] for key, value in batch.items()}
+    losses = []
+
+    def step(inputs: dict) -> None:
+        optimizer.zero_grad()
+        loss = model(**inputs).loss
+        accelerator.backward(loss)  # ZeRO-3: the engine's backward and step; the optimizer's wrapper steps nothing
+        optimizer.step()
+        losses.append(loss.detach())
+
+    def timed(inputs: dict, untimed: int) -> list[float]:
+        for _ in range(untimed):
+            step(inputs)
+        synchronize(device)
+        torch.distributed.barrier()
+        seconds = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            step(inputs)
+            synchronize(device)
+            seconds.append(time.perf_counter() - started)
+        return seconds
+
+    for _ in range(warmup):
+        step(batch)
+    synchronize(device)
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = timed(batch, 0)
+    if on_gpu:
+        memory["peak_allocated_steps_bytes"] = torch.cuda.max_memory_allocated(device)
+    # The check that the GPU, not the host, sets the speed: half the batch, the same kernels launched. A GPU-bound
+    # step takes about half as long (ratio 0.5), a host-bound one about as long (ratio 1).
+    half_seconds = timed(half, 1)
+
+    sharded = {name for name, param in _unwrapped(model, engine).named_parameters() if _is_sharded(param, engine)}
+    expected = expected_on_rank(parts, sharded, world_size)
+    return {"rank": rank, "world_size": world_size, "device": str(device),
+            "tokens_per_step": rows * sequence, "step_seconds": seconds,
+            "job_tokens_per_s": rows * sequence * world_size / statistics.median(seconds),
+            "half_batch_step_seconds": half_seconds,
+            "half_batch_time_ratio": statistics.median(half_seconds) / statistics.median(seconds),
+            "losses": [float(loss) for loss in losses], **memory,
+            "arithmetic": expected, "expected_on_rank_bytes": sum(part["on_rank_bytes"] for part in expected.values()),
+            "held_bytes": held_bytes(_unwrapped(model, engine), parts)}
+
+
+def _prepared(engine: str, under_test, rows: int):
+    """(accelerator, model, optimizer, weight_parts before sharding) of the engine's family recipe, prepared, with the
+    family's precondition proven: an FSDP2 module, or accelerate's state at DeepSpeed stage 3."""
+    import torch
+
+    from stackcheck import scenario
+    from stackcheck.distributed import rank as rank_side, recipes
+
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import FSDPModule
+
+        accelerator = rank_side.accelerator()
+        model = recipes.fsdp_qlora_model(under_test)
+        optimizer = recipes.optimizer_for(model)
+        parts = weight_parts(model)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        scenario.require(isinstance(model, FSDPModule), f"prepare gave {type(model).__name__}, not an FSDP2 module")
+        return accelerator, model, optimizer, parts
+    accelerator = recipes.deepspeed_stage3_accelerator()  # before the load: bitsandbytes loads onto the rank's GPU
+    model = recipes.zero3_qlora_model(under_test)
+    parts = weight_parts(model)
+    # One micro batch of `rows` sequences: what ZeRO's "auto" micro batch size is filled from.
+    loader = torch.utils.data.DataLoader([{"input_ids": torch.zeros(1, dtype=torch.long)}] * rows, batch_size=rows)
+    model, optimizer, _ = accelerator.prepare(model, recipes.optimizer_for(model), loader)
+    return accelerator, model, optimizer, parts
+
+
+def _unwrapped(model, engine: str):
+    """The model whose parameter names are weight_parts's: ZeRO-3's engine wraps it, FSDP2 shards it in place."""
+    return model.module if engine == "zero3" else model
+
+
+# --- the sharding arithmetic ------------------------------------------------------------------------
+
+WEIGHTS, QUANT_STATES, FROZEN, LORA = "4-bit weights", "4-bit quant states", "other frozen parameters (fp32)", "LoRA (fp32)"
+
+
+def weight_parts(model) -> dict[str, dict[str, int]]:
+    """Bytes of each parameter, whole, by part, keyed by parameter name: 4-bit weights (their packed storage), their
+    quant states, the other frozen parameters (embeddings, with the tied lm_head once, and norms, which
+    `prepare_model_for_kbit_training` made fp32) and the LoRA weights. AdamW's two fp32 moments per LoRA weight are
+    left out (3.4 MB for Llama 3.2 1B's rank-4 LoRA: 426k parameters), as are gradients, activations and the layers
+    an engine gathers for a step: those are what the peaks add to the arithmetic."""
+    from stackcheck import scenario
+
+    parts = {part: {} for part in (WEIGHTS, QUANT_STATES, FROZEN, LORA)}
+    for name, param in model.named_parameters():
+        state = getattr(param, "quant_state", None)
+        if state is not None:
+            parts[WEIGHTS][name] = param.nbytes
+            parts[QUANT_STATES][name] = sum(tensor.nbytes for tensor in scenario.quant_state_tensors(state))
+        elif param.requires_grad:
+            parts[LORA][name] = param.nbytes
+        else:
+            parts[FROZEN][name] = param.nbytes
+    return parts
+
+
+def expected_on_rank(parts: dict[str, dict[str, int]], sharded: set[str], world_size: int) -> dict[str, dict]:
+    """Per part: its whole bytes, the bytes of it the engine shards, and what the rank should hold at rest (the
+    sharded bytes / world size + the rest whole). Quant states are never sharded: they are no parameters."""
+    expected = {}
+    for part, by_name in parts.items():
+        whole = sum(by_name.values())
+        sharded_bytes = 0 if part == QUANT_STATES else sum(size for name, size in by_name.items() if name in sharded)
+        expected[part] = {"whole_bytes": whole, "sharded_bytes": sharded_bytes,
+                          "on_rank_bytes": sharded_bytes / world_size + (whole - sharded_bytes)}
+    return expected
+
+
+def _is_sharded(param, engine: str) -> bool:
+    if engine == "zero3":
+        return hasattr(param, "ds_tensor")
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
+
+
+def held_bytes(model, parts: dict[str, dict[str, int]]) -> int:
+    """What the rank's parameters really hold at rest (a shard's local bytes, padding included) plus the quant
+    states, which stay whole: the measured side of `expected_on_rank`."""
+    held = sum(parts[QUANT_STATES].values())
+    for param in model.parameters():
+        if hasattr(param, "ds_tensor"):
+            held += param.ds_tensor.nbytes
+        elif hasattr(param, "to_local"):
+            held += param.to_local().nbytes
+        else:
+            held += param.nbytes
+    return held
