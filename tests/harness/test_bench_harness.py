@@ -82,6 +82,16 @@ def test_smoke_bench_records_every_case_and_metric(smoke):
         assert summary[f"{size}/{TRAINING_CASE}"]["parameters"] == summary[f"{size}/nf4_dq_lora"]["parameters"]
 
 
+def test_smoke_bench_records_the_distributed_case_on_two_gloo_ranks(smoke):
+    cells = {(c["engine"], c["world_size"]): c for c in smoke["stackcheck"]["distributed"] if c["size"] == "tiny"}
+    assert all("not_measured" in cells[engine, 1] for engine in ("fsdp2", "zero3"))  # the CPU lane runs 2 ranks
+    for engine in ("fsdp2", "zero3"):
+        ranks = cells[engine, 2]["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1], engine
+        # what each rank's parameters hold is what the sharding arithmetic says, shard by shard
+        assert all(r["job_tokens_per_s"] > 0 and r["expected_on_rank_bytes"] == r["held_bytes"] for r in ranks), engine
+
+
 def test_compare_passes_a_run_against_itself(smoke):
     assert bench_compare.compare(smoke, smoke) == []
 
