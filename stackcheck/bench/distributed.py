@@ -125,12 +125,13 @@ def not_measured_reason(world_size: int, lane: str, gpus: int) -> str | None:
 
 
 def measure(size: str, engine: str, world_size: int, smoke: bool, device, workdir: Path) -> dict:
-    """One cell of the case: the job launched on `world_size` ranks of the lane `device` names, every rank's numbers
-    (RanksFailed unless every rank passed), or why the world size cannot run on this host."""
+    """One cell of the case: the job launched on `world_size` ranks of the lane `device` names, every rank's numbers;
+    or why it was not measured: the world size cannot run on this host, or the job failed (`failed`, with every
+    failing rank's signature, so that the report and the gate say which failure left the cell empty)."""
     import torch
 
     from stackcheck.distributed import launcher
-    from stackcheck.distributed.outcome import raise_unless_passed
+    from stackcheck.distributed.outcome import RankState, RanksFailed
 
     lane = "gpu" if device.type == "cuda" else "cpu"
     record = {"size": size, "engine": engine, "world_size": world_size, "lane": lane}
@@ -141,7 +142,8 @@ def measure(size: str, engine: str, world_size: int, smoke: bool, device, workdi
     profile = PROFILES[size, smoke]
     outcomes = launcher.launch(RANK_FUNCTION, workdir, world_size, engine, lane, TIMEOUTS[size],
                                {"size": size, "engine": engine, **asdict(profile)})
-    raise_unless_passed(outcomes)
+    if any(outcome.state != RankState.PASSED for outcome in outcomes):
+        return {**record, "not_measured": f"the job failed: {RanksFailed(outcomes)}", "failed": True}
     return {**record, "model": MODELS[size], **asdict(profile),
             "ranks": [outcome.result for outcome in outcomes]}
 

@@ -2,7 +2,7 @@
 world sizes 1 and 2, launched as users launch them, every rank's tokens/s of the job, peak VRAM and sharding
 arithmetic recorded under `stackcheck.distributed` in the bench JSON (not pytest-benchmark entries: the ranks time
 their steps, not this process). A world size the host cannot run is recorded as not measured, with the reason,
-and skipped. In smoke mode the tiny size only: on the CPU two ranks over gloo, as CI runs it.
+and skipped; a job that fails is recorded with its ranks' failures, and fails. In smoke mode the tiny size only: on the CPU two ranks over gloo, as CI runs it.
 """
 
 import pytest
@@ -25,6 +25,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def test_distributed_training(size, engine, world_size, bench_device, record_distributed, request, tmp_path):
     smoke = request.config.getoption("--stackcheck-bench-smoke")
     record = distributed.measure(size, engine, world_size, smoke, bench_device, tmp_path)
-    record_distributed(record)
+    record_distributed(record)  # a failed job too: the report names its failure
+    if record.get("failed"):
+        pytest.fail(record["not_measured"], pytrace=False)
     if "not_measured" in record:
         pytest.skip(f"not measured: {record['not_measured']}")

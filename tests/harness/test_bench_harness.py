@@ -282,3 +282,13 @@ def test_report_lists_what_the_baseline_could_not_measure():
     gate_lines = bench_report._gate({"base": gpu_run(None, not_measured="capture failed"), "cand": gpu_run(100.0)}, "base")
     assert "- **cand** against base: pass" in gate_lines
     assert "- realistic/nf4_dq decode_graph: capture failed" in gate_lines
+
+
+def test_a_failed_distributed_job_is_named_where_its_numbers_would_be():
+    failed = {"size": "realistic", "engine": "fsdp2", "world_size": 1, "lane": "gpu", "failed": True,
+              "not_measured": "the job failed: rank 0 failed: RuntimeError: only Tensors of floating point dtype can require gradients @ x"}
+    base, cand = gpu_run(100.0), gpu_run(100.0)
+    base["stackcheck"]["distributed"] = [failed]
+    gate_lines = bench_report._gate({"base": base, "cand": cand}, "base")
+    assert f"- distributed realistic/fsdp2/ws1: {failed['not_measured']}" in gate_lines
+    assert bench_compare.compare(cand, base) == ["realistic/fsdp2/ws1: in the baseline, missing from the candidate (its benchmark failed or did not run)"]
