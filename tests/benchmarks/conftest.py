@@ -1,5 +1,5 @@
 """The repeat tests taken out unless --stackcheck-bench-repeat asks for them; the distributed case's records
-(test_distributed.py) added to the bench JSON."""
+(test_bench_distributed.py) added to the bench JSON."""
 
 import pytest
 

@@ -90,13 +90,14 @@ def test_a_python_without_the_libraries_is_one_line(monkeypatch, capsys):
 
 def test_an_architecture_narrows_the_bugs_to_those_that_can_live_on_it():
     """No towers, no KV sharing, no Gemma 4: Qwen3-MoE keeps the library bugs and none of Gemma 4's, and has PEFT 0.19's
-    mixture-of-experts bugs, which Gemma 4 does not."""
+    mixture-of-experts bugs, which Gemma 4 does not; the text-only Gemma 3's FSDP wrap bug lives on neither."""
     everything = {d.bug for d in doctor.diagnose(Ledger(), SEED, AVX512_BF16)}
-    moe = {d.bug for d in doctor.diagnose(Ledger(), SEED, AVX512_BF16, doctor.builtin_arch("qwen3moe"))}
-    gemma4 = {d.bug for d in doctor.diagnose(Ledger(), SEED, AVX512_BF16, doctor.builtin_arch("gemma4"))}
+    moe, gemma4, gemma3 = ({d.bug for d in doctor.diagnose(Ledger(), SEED, AVX512_BF16, doctor.builtin_arch(arch))}
+                           for arch in ("qwen3moe", "gemma4", "gemma3"))
     moe_only = {"peft_moe_weightconverter_kwargs", "peft_moe_all_linear_charset"}
     gemma4_only = {"shared_kv_redispatch", "clippable_linear_targeting", "vision_tower_uint8_cast"}  # that affect seed
-    assert gemma4 | moe == everything
+    assert gemma4 | moe | gemma3 == everything
+    assert "fsdp_wrap_gemma3_text_siglip_classes" in gemma3 - (gemma4 | moe)
     assert {"params4bit_kwargs", "meta_quant_state"} | moe_only <= moe and not gemma4_only & moe
     assert gemma4_only <= gemma4 and not moe_only & gemma4
 
