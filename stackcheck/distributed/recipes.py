@@ -8,6 +8,7 @@ import torch
 
 from stackcheck import scenario
 from stackcheck.distributed import rank as rank_side
+from stackcheck.models import tiny
 
 LEARNING_RATE = 1e-3
 # The LoRA's initialisation seed, the same on every rank and in one process.
@@ -32,8 +33,6 @@ def fsdp_qlora_model(under_test, base=None):
 def zero3_qlora_model(under_test):
     """The ZeRO-3 QLoRA recipe of the PEFT guide: the 4-bit weights stored as bf16, so ZeRO-3 can flatten them with the
     rest. No device map: transformers refuses one under ZeRO-3, and bitsandbytes loads onto the rank's current device."""
-    from stackcheck.models import tiny
-
     config = scenario.bnb_config()
     config.bnb_4bit_quant_storage = torch.bfloat16
     arch = under_test.arch

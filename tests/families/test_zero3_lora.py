@@ -48,7 +48,7 @@ import torch
 
 from stackcheck import scenario
 from stackcheck.distributed import rank as rank_side
-from stackcheck.distributed.recipes import LEARNING_RATE, deepspeed_stage3_accelerator, optimizer_for, zero3_qlora_model
+from stackcheck.distributed.recipes import LEARNING_RATE, LORA_SEED, deepspeed_stage3_accelerator, optimizer_for, zero3_qlora_model
 from stackcheck.distributed.cells import WORLD_SIZES
 from stackcheck.models import architectures, tiny
 
@@ -113,7 +113,7 @@ def qlora_steps_under_zero3() -> dict:
 def expert_lora_model(arch, base):
     from peft import get_peft_model
 
-    torch.manual_seed(0)  # the same LoRA on every rank and in one process
+    torch.manual_seed(LORA_SEED)
     model = get_peft_model(base, tiny.lora_config(arch, "language", target_modules=[], target_parameters=[EXPERT_TARGET]))
     return model.train()
 
