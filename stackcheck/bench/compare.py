@@ -155,8 +155,8 @@ def summarize_distributed(run: dict) -> dict[str, dict]:
     """Per cell of the distributed case, keyed 'size/engine/wsN': the job's tokens/s (`train_tokens_per_s`, its
     slowest rank's) and that rank's step times' spread (IQR over median), the highest half-batch time ratio of any
     rank (stackcheck.bench.distributed: 0.5 when the GPU sets the speed, 1 when the host does), the highest peak
-    allocated of any rank over load and prepare or the timed steps (`peak_allocated_bytes`, GPU only), `workload` (what makes two runs comparable: model, batch, steps), the
-    cell's record, and `not_measured` as summarize has it."""
+    allocated of any rank over load and prepare or the timed steps (`peak_allocated_bytes`, GPU only), `workload`
+    (what makes two runs comparable: model, batch, steps), the cell's record, and `not_measured` as summarize has it."""
     cells: dict[str, dict] = {}
     for record in run.get("stackcheck", {}).get("distributed", []):
         row = {key: record[key] for key in DISTRIBUTED_KEYS} | {"record": record}
