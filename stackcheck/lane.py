@@ -17,7 +17,7 @@ from pathlib import Path
 
 from stackcheck import REPO_ROOT, envs, results
 from stackcheck.models import architectures
-from stackcheck.ledger import ERROR, Ledger, family_modules
+from stackcheck.ledger import ERROR, Ledger, family_modules, family_path
 from stackcheck.versions import UsageError, VersionSet
 
 # When (time.time()) the runner launched a pytest process: where the start-up share of stackcheck.plugin.Timing begins.
@@ -89,7 +89,7 @@ def record_unbuildable(results_path: Path, vset: VersionSet, reason: str) -> Non
     """A set whose environment cannot be built still gets a verdict in every family's cell."""
     results.record_set(results_path, vset.name, {"env": "not built"})
     results.record_cells(results_path, [
-        {"set": vset.name, "family": family, "test": f"tests/families/test_{family}.py", "lane": "cpu",
+        {"set": vset.name, "family": family, "test": family_path(family), "lane": "cpu",
          "verdict": str(ERROR), "signature": f"environment not built: {reason}", "bug": None, "note": "setup broke", "seconds": 0.0}
         for family in family_modules()
     ])
@@ -121,11 +121,12 @@ def family_targets(families: list[str] | None) -> list[str]:
     for family in families or []:
         if family not in known:
             raise UsageError(f"unknown family '{family}' (families: {', '.join(known)})")
-    return [f"tests/families/test_{f}.py" for f in families or known]
+    return [family_path(f) for f in families or known]
 
 
-TEST_ID = re.compile(r"tests/families/test_(?P<family>\w+)\.py::(?P<function>\w+)(?P<params>\[.+\])?")
-TEST_ID_FORM = "tests/families/test_<family>.py::<test>, optionally with its [parameters] as pytest prints them"
+TEST_ID = re.compile(r"tests/(?:families|contract/\w+)/test_(?P<family>\w+)\.py::(?P<function>\w+)(?P<params>\[.+\])?")
+TEST_ID_FORM = ("tests/families/test_<family>.py::<test> (or tests/contract/<phase>/test_<family>.py::<test>), optionally "
+                "with its [parameters] as pytest prints them")
 
 
 @dataclass(frozen=True)

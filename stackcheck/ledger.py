@@ -26,7 +26,11 @@ from stackcheck.hostinfo import CPU_FLAGS
 from stackcheck.versions import PACKAGES
 
 LEDGER_FILE = Path(__file__).with_name("ledger.toml")
-FAMILIES_DIR = REPO_ROOT / "tests" / "families"
+FAMILIES_DIR = REPO_ROOT / "tests" / "families"  # bug families: tests/families/test_<id>.py
+# Contract families: invariants of the user's journey, one folder per phase (tests/contract/<phase>/test_<id>.py).
+# Both kinds are families in the ledger's sense: the same verdicts, matrix, gate, bisect and history.
+CONTRACT_DIR = REPO_ROOT / "tests" / "contract"
+TESTS_PREFIX = "tests/"  # where a silent bug's frame lives: a family's own assertion
 # Python 3.11 runs a comprehension in a frame of its own, 3.12 inlines it (PEP 709): dropping these frames
 # names the enclosing function on every Python.
 COMPREHENSION_FRAMES = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
@@ -69,11 +73,21 @@ class Signature:
 
     exception: str
     message: str
-    frame: str
+    frames: tuple[str, ...]  # `frame` in ledger.toml: one frame, or a list of the frames the bug raises from
     band: tuple[float, float] | None = None
 
+    @property
+    def frame(self) -> str:
+        return self.frames[0]
+
+    @property
+    def library_level(self) -> bool:
+        """Raised by a library's own frame, not by a family's assertion: the bug is known wherever it fires, in any
+        family, a contract family or a user's config reaching it from another direction."""
+        return not any(frame.startswith(TESTS_PREFIX) for frame in self.frames)
+
     def matches_type_and_frame(self, failure: Failure) -> bool:
-        return self.exception in failure.exception_mro and failure.raising_frame == self.frame
+        return self.exception in failure.exception_mro and any(failure.raising_frame_for(frame) == frame for frame in self.frames)
 
     def matches_message(self, failure: Failure) -> bool:
         return re.fullmatch(self.message, failure.message, re.DOTALL) is not None
@@ -96,19 +110,28 @@ class Bug:
     affected: dict[str, SpecifierSet]
     signature: Signature
     cpu_flag: str | None = None  # shows only on a CPU with this extension (hostinfo.CPU_FLAGS)
-    architectures: tuple[str, ...] = ()  # the model types it lives in (`model_type`); empty: every architecture
+    architectures: tuple[str, ...] = ()  # the model types whose code it lives in (`model_type`); empty: every architecture
     workaround: str | None = None  # what a user does meanwhile, without changing versions
+    # The model types where it is measured to show, for a library-level bug whose showing depends on the model's
+    # size (a 4-bit merge's rounding against the adapter): a pass elsewhere is no evidence of a fix. Empty: wherever
+    # it lives.
+    expected_on: tuple[str, ...] = ()
 
     @property
     def silent(self) -> bool:
         """Nothing raises: the library returned, and only a family's own assertion sees the weights, the memory or
         the numbers are wrong."""
         return (self.signature.exception in ("AssertionError", "ToleranceExceeded")
-                and self.signature.frame.startswith(FAMILIES_DIR.relative_to(REPO_ROOT).as_posix() + "/"))
+                and all(frame.startswith(TESTS_PREFIX) for frame in self.signature.frames))
 
     def lives_on(self, model_type: str | None) -> bool:
         """Whether the bug can show on an architecture of `model_type` (None: a test that builds no model)."""
         return not self.architectures or model_type is None or model_type in self.architectures
+
+    def expected(self, model_type: str | None, versions: dict[str, str]) -> bool:
+        """Whether a pass here says the bug is fixed: it lives here, is measured to show here, and is in range."""
+        shows = not self.expected_on or model_type is None or model_type in self.expected_on
+        return self.lives_on(model_type) and shows and self.affects(versions)
 
     def affects(self, versions: dict[str, str]) -> bool:
         """True when every pinned constraint holds for the installed versions."""
@@ -174,6 +197,14 @@ class Failure:
         and which one does changes with torch releases and with the context the call runs in."""
         return next((f for f in reversed(self.frames) if not f.startswith(HARNESS_FRAMES)), self.frames[-1] if self.frames else "?")
 
+    def raising_frame_for(self, expected: str) -> str:
+        """The raising frame as a signature naming `expected` sees it. A signature that names a torch frame (a check
+        torch itself makes, such as FSDP2 refusing a parameter shared by two groups) is matched against the
+        innermost torch frame; every other signature against `raising_frame`."""
+        if expected.startswith("torch/"):
+            return next((f for f in reversed(self.frames) if f.startswith("torch/")), self.raising_frame)
+        return self.raising_frame
+
     def signature(self) -> str:
         first_line = self.message.strip().splitlines()[0] if self.message.strip() else ""
         return f"{self.exception_type}: {first_line[:200]} @ {self.raising_frame}"
@@ -202,10 +233,32 @@ class Judgement:
     links: list[str] = field(default_factory=list)
 
 
-def family_needs(family: str, families_dir: Path = FAMILIES_DIR) -> frozenset[str]:
+def family_paths(families_dir: Path = FAMILIES_DIR, contract_dir: Path = CONTRACT_DIR) -> dict[str, Path]:
+    """Every family module by family id: the bug families' tests/families/test_<id>.py and the contract families'
+    tests/contract/<phase>/test_<id>.py. An id is unique across both (the ledger has one table of families)."""
+    found: dict[str, Path] = {}
+    for path in sorted([*families_dir.glob("test_*.py"), *contract_dir.glob("*/test_*.py")]):
+        family = path.stem.removeprefix("test_")
+        if family in found:
+            raise LedgerError(f"families: two modules for family '{family}': {found[family]} and {path}")
+        found[family] = path
+    return found
+
+
+def family_path(family: str) -> str:
+    """The module of a family as pytest names it from the repository root (tests/.../test_<id>.py); a family with
+    no module yet is named where a bug family would live."""
+    path = family_paths().get(family, FAMILIES_DIR / f"test_{family}.py")
+    return path.relative_to(REPO_ROOT).as_posix()
+
+
+def family_needs(family: str, families_dir: Path | None = None) -> frozenset[str]:
     """The model structures a family's module needs (its module-level `pytestmark = pytest.mark.needs(...)`), read
     without importing it: what `doctor` and `scan` narrow the known bugs by, with no library imported."""
-    tree = ast.parse((families_dir / f"test_{family}.py").read_text())
+    path = families_dir / f"test_{family}.py" if families_dir else family_paths().get(family)
+    if path is None or not path.is_file():
+        return frozenset()
+    tree = ast.parse(path.read_text())
     for node in tree.body:
         if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)
                 and isinstance(node.value, ast.Call) and getattr(node.value.func, "attr", None) == "needs"):
@@ -213,9 +266,9 @@ def family_needs(family: str, families_dir: Path = FAMILIES_DIR) -> frozenset[st
     return frozenset()
 
 
-def family_modules(families_dir: Path = FAMILIES_DIR) -> list[str]:
-    """The family ids that have a module, tests/families/test_<id>.py."""
-    return sorted(path.stem.removeprefix("test_") for path in families_dir.glob("test_*.py"))
+def family_modules(families_dir: Path = FAMILIES_DIR, contract_dir: Path = CONTRACT_DIR) -> list[str]:
+    """The family ids that have a module (bug families and contract families)."""
+    return sorted(family_paths(families_dir, contract_dir))
 
 
 def _require(condition: object, where: str, what: str) -> None:
@@ -232,10 +285,12 @@ def _keys(entry: object, where: str, required: set[str], optional: set[str] = fr
 
 def _parse_bug(bug_id: str, entry: object, packages: tuple[str, ...]) -> Bug:
     where = f"bugs.{bug_id}"
-    _keys(entry, where, {"summary", "links", "upstream_status", "affected", "signature"}, {"cpu_flag", "architectures", "workaround"})
-    architectures = entry.get("architectures", [])
-    _require(isinstance(architectures, list) and all(isinstance(x, str) for x in architectures), where,
-             "architectures must be a list of model types (config.json's model_type)")
+    _keys(entry, where, {"summary", "links", "upstream_status", "affected", "signature"}, {"cpu_flag", "architectures", "workaround", "expected_on"})
+    architectures, expected_on = entry.get("architectures", []), entry.get("expected_on", [])
+    for key, value in (("architectures", architectures), ("expected_on", expected_on)):
+        _require(isinstance(value, list) and all(isinstance(x, str) for x in value), where,
+                 f"{key} must be a list of model types (config.json's model_type)")
+    _require(not (architectures and expected_on), where, "expected_on is for bugs of every architecture; architectures already narrows this one")
     _require(isinstance(entry.get("workaround", ""), str), where, "workaround must be a string")
     _require(entry.get("cpu_flag") in (None, *CPU_FLAGS), where, f"cpu_flag must be one of {', '.join(CPU_FLAGS)}")
     _require(isinstance(entry["links"], list) and entry["links"] and all(isinstance(x, str) for x in entry["links"]), where, "links must be a non-empty list of strings")
@@ -250,15 +305,17 @@ def _parse_bug(bug_id: str, entry: object, packages: tuple[str, ...]) -> Bug:
         re.compile(sig["message"])
     except (re.error, TypeError) as exc:
         raise LedgerError(f"ledger.toml: {where}.signature.message does not compile: {exc}") from None
-    _require(isinstance(sig["frame"], str) and re.fullmatch(r"[^:\s]+\.py:\w+", sig["frame"]), where, "signature.frame must be 'path/file.py:function'")
+    frames = [sig["frame"]] if isinstance(sig["frame"], str) else sig["frame"]
+    _require(isinstance(frames, list) and frames and all(isinstance(f, str) and re.fullmatch(r"[^:\s]+\.py:\w+", f) for f in frames),
+             where, "signature.frame must be 'path/file.py:function' or a non-empty list of them")
     band = sig.get("band")
     if band is not None:
         _require(isinstance(band, list) and len(band) == 2 and all(isinstance(x, int | float) for x in band) and band[0] <= band[1],
                  where, "signature.band must be [low, high] with low <= high")
         band = (float(band[0]), float(band[1]))
-    signature = Signature(sig["exception"], sig["message"], sig["frame"], band)
+    signature = Signature(sig["exception"], sig["message"], tuple(frames), band)
     return Bug(bug_id, entry["summary"], tuple(entry["links"]), entry["upstream_status"], affected, signature,
-               entry.get("cpu_flag"), tuple(architectures), entry.get("workaround"))
+               entry.get("cpu_flag"), tuple(architectures), entry.get("workaround"), tuple(expected_on))
 
 
 class Ledger:
@@ -289,7 +346,7 @@ class Ledger:
         missing = sorted(set(family_modules) - self.families.keys())
         _require(not missing, "families", f"no entry for family module(s) {', '.join(f'test_{m}.py' for m in missing)}")
         orphans = sorted(self.families.keys() - set(family_modules))
-        _require(not orphans, "families", f"no module tests/families/test_<id>.py for {', '.join(orphans)}")
+        _require(not orphans, "families", f"no module tests/families/test_<id>.py or tests/contract/<phase>/test_<id>.py for {', '.join(orphans)}")
 
     def check_patterns(self, family: str, test_names: list[str]) -> None:
         """Every `tests` pattern of the family matches at least one of its collected tests."""
@@ -309,11 +366,17 @@ class Ledger:
               model_type: str | None = None) -> Judgement:
         """Verdict for a test that passed (failure is None), could not reach its scenario, or failed, on an
         architecture of `model_type` (None: the test builds no model). A bug of other architectures is never
-        expected here, and its signature here is a new failure that names it."""
+        expected here, and its signature here is a new failure that names it.
+
+        A known bug is known wherever it fires: a failure that none of the family's own bugs explains is matched
+        against every bug of the ledger (its whole signature: exception, message, raising frame, band), so a
+        contract family, or a bug family reaching another family's bug from a new direction, files it under that
+        bug when the versions are in its range. Only the family's own bugs are ever expected to fail here: a pass
+        is `fixed` for them alone."""
         listed = self.families[family].bugs_for(test_name)
         candidates = [bug for bug in listed if bug.lives_on(model_type)]
         if failure is None:
-            expected = [bug for bug in candidates if bug.affects(versions)]
+            expected = [bug for bug in candidates if bug.expected(model_type, versions)]
             if expected:
                 bug = expected[0]
                 return Judgement(FIXED, bug.id, note=f"passes although the ledger says these versions have {bug.id}", links=list(bug.links))
@@ -336,6 +399,8 @@ class Ledger:
             if bug not in candidates and bug.signature.matches(failure):
                 note = f"known bug of other architectures ({', '.join(bug.architectures)}), not {model_type}"
                 return Judgement(NEW_FAILURE, bug.id, signature, note, list(bug.links))
+        if (elsewhere := self._known_elsewhere(family, listed, failure, versions, model_type)) is not None:
+            return elsewhere
         numeric = [bug for bug in candidates if bug.signature.band and bug.signature.matches_type_and_frame(failure)
                    and bug.signature.matches_message(failure)]
         if numeric:
@@ -347,6 +412,30 @@ class Ledger:
             if bug.signature.matches_type_and_frame(failure):
                 return Judgement(NEW_FAILURE, bug.id, signature, f"new signature of known bug {bug.id}", list(bug.links))
         return Judgement(NEW_FAILURE, None, signature)
+
+
+    def families_of(self, bug: Bug) -> list[str]:
+        return [family.id for family in self.families.values() if any(b.id == bug.id for b, _ in family.bugs)]
+
+    def _known_elsewhere(self, family: str, listed: list[Bug], failure: Failure, versions: dict[str, str],
+                         model_type: str | None) -> Judgement | None:
+        """The verdict of a failure that a bug the family does not list explains, if one does: `known_bug` in its
+        range and on an architecture it lives on, else a `new_failure` that names it."""
+        matching = [bug for bug in self.bugs.values() if bug not in listed and bug.signature.matches(failure)]
+        if not matching:
+            return None
+        signature = failure.signature()
+        for bug in matching:
+            if bug.lives_on(model_type) and bug.affects(versions):
+                listed_under = ", ".join(self.families_of(bug)) or "no family"
+                note = f"known bug {bug.id} (listed under {listed_under}) reached from {family}"
+                return Judgement(KNOWN_BUG, bug.id, signature, note, list(bug.links))
+        bug = matching[0]
+        if not bug.lives_on(model_type):
+            note = f"known bug of other architectures ({', '.join(bug.architectures)}), not {model_type}, reached from {family}"
+        else:
+            note = f"known bug outside its affected range ({bug.describe_range()}), reached from {family}"
+        return Judgement(NEW_FAILURE, bug.id, signature, note, list(bug.links))
 
 
 def _distance(value: float | None, band: tuple[float, float]) -> float:

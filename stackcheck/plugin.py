@@ -35,6 +35,7 @@ import pytest
 
 from stackcheck import exchange, hostinfo, results, scenario
 from stackcheck.distributed.cells import Ranks
+from stackcheck.harness import axes
 from stackcheck.distributed.outcome import RanksFailed, judge_ranks
 from stackcheck.models import architectures, tiny
 from stackcheck.lane import LAUNCHED_AT_ENV
@@ -132,6 +133,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     gpu_lane = pytest.param("gpu", marks=pytest.mark.gpu)
     lanes = [gpu_lane] if metafunc.definition.get_closest_marker("gpu") else ["cpu", gpu_lane]
     metafunc.parametrize("lane", lanes, indirect=True)
+    if axes.parametrize(metafunc, metafunc.config.stackcheck_architectures):  # a contract test's pairwise cells
+        return
     if "under_test" in metafunc.fixturenames:
         archs = metafunc.config.stackcheck_architectures
         metafunc.parametrize("arch", archs, ids=[arch.name for arch in archs], indirect=True)

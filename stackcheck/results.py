@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from stackcheck import REPO_ROOT, hostinfo
-from stackcheck.ledger import FAMILIES_DIR, SEVERITY, SKIPPED, Ledger
+from stackcheck.ledger import CONTRACT_DIR, FAMILIES_DIR, SEVERITY, SKIPPED, Ledger
 from stackcheck.versions import UsageError, load_sets
 
 LANES = ("gpu", "cpu")
@@ -19,14 +19,15 @@ CELL_KEYS = ("set", "family", "test", "lane", "arch", "verdict", "signature", "b
 # A distributed job's cell also has `ranks`: each rank's state, verdict, signature (stackcheck.distributed.outcome.rank_record).
 # What a verdict means besides the libraries: the ledger and the judging of a failure against it, and the
 # family tests with what they build and run.
-DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/ledger.py", "stackcheck/plugin.py", "stackcheck/scenario.py", "stackcheck/hostinfo.py", "stackcheck/models/*.py", "fixtures/*.json", "fixtures/architectures/*.json", "tests/families/*.py",
-                    "stackcheck/distributed/*.py", "fixtures/distributed/*")
+DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/ledger.py", "stackcheck/plugin.py", "stackcheck/scenario.py", "stackcheck/harness/*.py", "stackcheck/hostinfo.py", "stackcheck/models/*.py", "fixtures/*.json", "fixtures/architectures/*.json", "tests/families/*.py",
+                    "tests/contract/*/*.py", "stackcheck/distributed/*.py", "fixtures/distributed/*")
 
 
 def family_of(nodeid: str) -> str | None:
-    """The family of a test node id (or of a module path) under tests/families, else None."""
+    """The family of a test node id (or of a module path) under tests/families or tests/contract/<phase>, else None."""
     path = Path(nodeid.split("::", 1)[0])
-    if path.parent != FAMILIES_DIR.relative_to(REPO_ROOT) or not path.stem.startswith("test_"):
+    homes = (FAMILIES_DIR.relative_to(REPO_ROOT), CONTRACT_DIR.relative_to(REPO_ROOT))
+    if not (path.parent == homes[0] or path.parent.parent == homes[1]) or not path.stem.startswith("test_"):
         return None
     return path.stem.removeprefix("test_")
 

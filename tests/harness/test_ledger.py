@@ -221,3 +221,90 @@ def test_a_ledger_with_the_wrong_top_level_fails(tmp_path):
     """))
     with pytest.raises(LedgerError, match="missing bugs"):
         Ledger(path)
+
+
+def fsdp2_tied_embeddings_failure(tmp_path) -> Failure:
+    """torch's own FSDP2 check, raised for real: an embedding sharded as a group of its own while the root group
+    holds the same (tied) parameter, as accelerate 1.14.0's fsdp2_prepare_model groups a tied model. One gloo rank."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(8, 4)
+            self.lm_head = torch.nn.Linear(4, 8, bias=False)
+            self.lm_head.weight = self.embed_tokens.weight
+
+        def forward(self, ids):
+            return self.lm_head(self.embed_tokens(ids))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = Tied()
+        fully_shard(model.embed_tokens)
+        fully_shard(model)
+        return caught(model, torch.tensor([[1, 2]]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_library_level_bug_is_known_in_every_family_that_reaches_it(ledger, versions, tmp_path):
+    """The same torch refusal reached from two families: fsdp2_params4bit lists the bug, fsdp_end_to_end (the FSDP2
+    control on every architecture) does not. Both read known_bug in range, by torch's raising frame, and both a
+    new_failure naming it out of range (before: fsdp_end_to_end read new_failure on gemma4, llama3, qwen3 and phi4
+    on `seed --with accelerate==1.14.0`)."""
+    failure = fsdp2_tied_embeddings_failure(tmp_path)
+    assert failure.raising_frame_for("torch/x.py:f") == "torch/distributed/fsdp/_fully_shard/_fsdp_state.py:_validate_no_duplicate_params"
+    in_range = dict(versions, accelerate="1.14.0", torch="2.13.0")
+    for family, test in (("fsdp2_params4bit", "test_fsdp2_qlora_steps_match_one_process[cpu-ws1]"),
+                         ("fsdp_end_to_end", "test_fsdp2_qlora_steps_match_one_process[cpu-llama3-ws1]")):
+        judgement = ledger.judge(family, test, in_range, failure, "llama")
+        assert (judgement.verdict, judgement.bug) == (KNOWN_BUG, "fsdp2_tied_embeddings_two_groups"), family
+        fixed = ledger.judge(family, test, dict(in_range, accelerate="1.15.0"), failure, "llama")
+        assert (fixed.verdict, fixed.bug) == (NEW_FAILURE, "fsdp2_tied_embeddings_two_groups"), family
+        assert "outside its affected range" in fixed.note
+    assert "reached from fsdp_end_to_end" in ledger.judge("fsdp_end_to_end", test, in_range, failure, "llama").note
+    # Only the families that list a bug expect it: fsdp_end_to_end passing on accelerate 1.14.0 is no fix.
+    assert ledger.judge("fsdp_end_to_end", test, in_range, None, "llama").verdict == PASS
+
+
+def merge_divergence(kept: float) -> Failure:
+    """The merge family's own comparison on real logits, keeping `kept` of the adapter's effect beside noise."""
+    family = family_module("merge_parity")
+    model = scenario.load_base(GEMMA4, quantized=False)
+    prompt = scenario.prompt(GEMMA4.device)
+    merged = scenario.logits(model, prompt).float()
+    effect, noise = torch.ones_like(merged), 0.5 * torch.ones_like(merged)
+    noise[..., 1::2] *= -1
+    base = merged - kept * effect - noise
+    return caught(family.assert_merge_parity, "4-bit", model, prompt, base, base + effect, [])
+
+
+def test_a_library_mechanism_is_known_on_an_architecture_that_is_not_built_in(ledger, versions, tmp_path):
+    """A user's own config.json of an architecture stackcheck does not build in: the 4-bit merge's re-quantization
+    (PEFT's and bitsandbytes' mechanism, no model's) keeping the adapter's effect is the known bug there too
+    (before: `architectures = [...]` made it a new_failure on every other model type). A pass there is no fix:
+    the bug is expected only where it was measured to show."""
+    config = tmp_path / "my-model" / "config.json"
+    config.parent.mkdir()
+    config.write_text('{"model_type": "starcoder2", "architectures": ["Starcoder2ForCausalLM"], "hidden_size": 64, '
+                      '"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, '
+                      '"vocab_size": 256}')
+    model_type = architectures.user_architecture(config).model_type
+    assert model_type not in {arch.model_type for arch in architectures.builtin().values()}
+    test = "test_merge_into_4bit_base_reproduces_adapter_outputs[cpu-my_model]"
+    known = ledger.judge("merge_parity", test, versions, merge_divergence(0.9757), model_type)
+    assert (known.verdict, known.bug) == (KNOWN_BUG, "merge_4bit_divergence")
+    dropped = ledger.judge("merge_parity", test, versions, merge_divergence(0.0), model_type)
+    assert (dropped.verdict, dropped.bug) == (NEW_FAILURE, "merge_4bit_divergence")
+    assert ledger.judge("merge_parity", test, versions, None, model_type).verdict == PASS
+    assert ledger.judge("merge_parity", test, versions, None, "llama").verdict == FIXED
+
+
+def test_a_bug_in_one_models_code_is_a_new_failure_on_another_model_type(ledger, versions):
+    """The difference `architectures` keeps: Gemma 4's shared-KV bug lives in modeling_gemma4.py, so its signature
+    on another model type (a user's config, say) is no known bug there, but a new failure that names it."""
+    bug = ledger.bugs["shared_kv_redispatch"]
+    assert bug.architectures == ("gemma4",) and bug.signature.library_level
+    assert not ledger.bugs["merge_4bit_divergence"].architectures and ledger.bugs["merge_4bit_divergence"].expected_on

@@ -1,0 +1,82 @@
+"""Generate: the prompt, logits, greedy decoding, and decoding alike where the reference's choice is decisive."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from stackcheck.harness.proof import require
+
+
+# Chosen so that every greedy step of the tiny Gemma 4 base and adapter, 4-bit and bf16, wins by at least 0.69
+# logits (11 bf16 steps at their scale). The other architectures' tiny models have logits near 0.7, where steps
+# can win by one bf16 step (0.0039): their token comparisons skip such near-ties (`Decode`).
+PROMPT_IDS = [[92, 140, 25, 5, 26, 242, 247, 189]]
+
+
+def prompt(device: torch.device) -> torch.Tensor:
+    return torch.tensor(PROMPT_IDS, device=device)
+
+
+@torch.no_grad()
+def logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=input_ids).logits.float().cpu()
+
+
+@torch.no_grad()
+def greedy(model, input_ids: torch.Tensor, new_tokens: int = 6) -> list[int]:
+    out = model.generate(input_ids=input_ids, max_new_tokens=new_tokens, do_sample=False, use_cache=True)
+    return out[0, input_ids.shape[1] :].tolist()
+
+
+# A step whose winner leads by fewer bf16 steps (at its logit's scale) than this is a near-tie: rounding alone
+# may swap the top two. Measured: a bf16 merge moves a margin by up to 4 steps (Gemma 4; 1 to 2 on the other
+# tiny models), and on the tiny Gemma 3 the adapter's first step wins by 1 step (0.0039), which the merge swaps.
+DECISIVE_BF16_STEPS = 8
+
+
+@dataclass(frozen=True)
+class Decode:
+    """A reference model's greedy decode: its tokens and, per step, whether the winner led decisively."""
+
+    tokens: list[int]
+    decisive: list[bool]
+
+
+def bf16_step(value: float) -> float:
+    """The spacing of bf16 numbers at `value` (8 bits of mantissa)."""
+    return 2.0 ** (math.floor(math.log2(abs(value) or 1.0)) - 7)
+
+
+@torch.no_grad()
+def decode(model, input_ids: torch.Tensor, new_tokens: int = 6) -> Decode:
+    """`greedy`, with each step's lead of the winner over the runner-up."""
+    out = model.generate(input_ids=input_ids, min_new_tokens=new_tokens, max_new_tokens=new_tokens, do_sample=False,
+                         use_cache=True, output_logits=True, return_dict_in_generate=True)
+    decisive = []
+    for step in out.logits:
+        top = step[0].float().topk(2).values.tolist()
+        decisive.append(top[0] - top[1] >= DECISIVE_BF16_STEPS * bf16_step(top[0]))
+    return Decode(out.sequences[0, input_ids.shape[1] :].tolist(), decisive)
+
+
+@torch.no_grad()
+def assert_decodes_alike(model, input_ids: torch.Tensor, reference: Decode, what: str, beside_logits: bool = False) -> None:
+    """`model` decodes as `reference` did wherever the reference's choice was decisive: its own greedy tokens
+    (generate, with the cache) until the reference's first near-tie, and, fed the reference's tokens, the same
+    winner at every decisive step. A reference without one decisive step proves nothing: not reached, unless the
+    test compares the logits too (`beside_logits`), which then decide alone. Measured: after the round trip's
+    training the tiny Mixtral repeats one token at near-ties on this machine (torch 2.13) and decisively on the
+    H100 host's CPU (torch 2.11)."""
+    if beside_logits and not any(reference.decisive):
+        return
+    require(any(reference.decisive), f"every step of the reference decode {reference.tokens} is a near-tie")
+    tokens = greedy(model, input_ids, len(reference.tokens))
+    prefix = reference.decisive.index(False) if False in reference.decisive else len(reference.tokens)
+    assert tokens[:prefix] == reference.tokens[:prefix], f"{what}: greedy tokens {tokens} != {reference.tokens}"
+    sequence = torch.cat([input_ids, torch.tensor([reference.tokens], device=input_ids.device)], dim=1)
+    winners = logits(model, sequence)[0, input_ids.shape[1] - 1 : -1].argmax(-1).tolist()
+    differ = [step for step, decisive in enumerate(reference.decisive) if decisive and winners[step] != reference.tokens[step]]
+    assert not differ, f"{what}: fed the reference's tokens, steps {differ} choose {[winners[s] for s in differ]}, not {[reference.tokens[s] for s in differ]}"
