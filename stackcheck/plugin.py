@@ -19,8 +19,10 @@ No cell vanishes: when collection finishes, every expected cell is recorded as l
 replaces its placeholder as it comes. A crashed worker or process leaves its cells as `error` (cell lost);
 a family module that fails to import gets an `error` cell per lane.
 
-Under pytest-xdist (`-n N`) on a GPU host, each worker is pinned to one GPU (round robin over the visible
-ones) through CUDA_VISIBLE_DEVICES, set before anything in the worker initialises CUDA; and each worker
+Under pytest-xdist (`-n N`) on a GPU host, every worker sees every GPU a plain run sees, its own first: worker k's
+CUDA_VISIBLE_DEVICES is the host's list rotated by k (`worker_gpus`), set before anything in the worker initialises
+CUDA. One-GPU cells (`cuda:0`, a world-size-1 job's rank) spread round robin over the GPUs, and a cell that needs
+k GPUs (`gpus(k)`, a `ws2` job, whose ranks inherit the worker's list) gets k of them, as without xdist. Each worker
 keeps to its share of the CPU cores (torch threads), unless OMP_NUM_THREADS says otherwise.
 """
 
@@ -74,12 +76,23 @@ def visible_gpus() -> list[str]:
     return [str(index) for index in range(torch.cuda.device_count())]
 
 
+def worker_gpus(gpus: list[str], worker: int) -> str:
+    """Worker `worker`'s CUDA_VISIBLE_DEVICES: every GPU of `gpus`, rotated so that the worker's own comes first.
+
+    Not one GPU per worker: a cell that needs two GPUs (a `gpus(2)` test in the worker's process, a `ws2` job whose
+    ranks inherit the list) would see one and read skipped. Not an exclusive lease either: no family's verdict
+    depends on having a GPU to itself (the families compare numerics and each process's own allocator bytes, and the
+    tiny models take megabytes), while the in-process `gpus(2)` tests need the GPUs in the worker's own process,
+    which a lease handed to launched ranks cannot give."""
+    first = worker % len(gpus)
+    return ",".join(gpus[first:] + gpus[:first])
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: the controller calls it for each worker it starts
 def pytest_configure_node(node) -> None:
     gpus = visible_gpus()
     if gpus:
-        worker = int(node.workerinput["workerid"].removeprefix("gw"))
-        node.workerinput[WORKER_GPU_KEY] = gpus[worker % len(gpus)]
+        node.workerinput[WORKER_GPU_KEY] = worker_gpus(gpus, int(node.workerinput["workerid"].removeprefix("gw")))
     workers = getattr(node.config.option, "numprocesses", None)
     if "OMP_NUM_THREADS" not in os.environ and isinstance(workers, int) and workers > 1:
         # Each worker's share of the cores: with torch's default (every core) N workers spin against each

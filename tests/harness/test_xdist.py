@@ -1,5 +1,6 @@
-"""pytest-xdist within one machine: on a GPU host each worker is pinned to one GPU; without GPUs the
-workers are left as they are. Real xdist runs over a probe test that reports what its worker sees."""
+"""pytest-xdist within one machine: on a GPU host every worker sees every GPU, its own first (so a cell that needs
+two GPUs gets them under xdist); without GPUs the workers are left as they are. Real xdist runs over a probe test
+that reports what its worker sees."""
 
 import os
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import pytest
 
 from stackcheck import REPO_ROOT
-from stackcheck.plugin import visible_gpus
+from stackcheck.plugin import gpu_lane_skip_reason, visible_gpus, worker_gpus
 
 PROBE = """
 import os
@@ -50,8 +51,22 @@ def test_each_worker_keeps_to_its_share_of_the_cores(tmp_path):
     assert (seen["gw0-threads"], seen["gw1-threads"]) == (share, share)
 
 
-def test_each_worker_gets_one_of_the_visible_gpus(tmp_path):
-    assert gpus_seen(seen_by_workers(tmp_path, "3,5")) == {"gw0": "3", "gw1": "5"}
+def test_each_worker_sees_every_visible_gpu_its_own_first(tmp_path):
+    assert gpus_seen(seen_by_workers(tmp_path, "3,5")) == {"gw0": "3,5", "gw1": "5,3"}
+
+
+@pytest.mark.parametrize("host_gpus", [1, 2, 4])
+def test_eight_workers_spread_over_the_gpus_and_keep_every_gpu(host_gpus):
+    """`-n 8` on a host of 1, 2 or 4 GPUs: each worker's first GPU (where one-GPU cells run) takes turns, and every
+    worker sees the host's every GPU, so no two-GPU cell (a `gpus(2)` test, a `ws2` job) reads skipped for the count."""
+    gpus = [str(index) for index in range(host_gpus)]
+    views = [worker_gpus(gpus, worker).split(",") for worker in range(8)]
+    assert [view[0] for view in views] == [gpus[worker % host_gpus] for worker in range(8)]
+    assert all(sorted(view) == gpus for view in views)
+    two_gpu_cell = pytest.mark.gpus(2).mark
+    node = type("Node", (), {"get_closest_marker": lambda self, name: two_gpu_cell if name == "gpus" else None})()
+    skipped = {gpu_lane_skip_reason(node, len(view)) for view in views}
+    assert skipped == ({None} if host_gpus >= 2 else {"GPU lane: needs 2 GPUs, torch sees 1"})
 
 
 def test_without_gpus_workers_are_left_alone(tmp_path, monkeypatch):
