@@ -32,7 +32,14 @@ def fsdp_qlora_model(under_test, base=None):
 
 def zero3_qlora_model(under_test):
     """The ZeRO-3 QLoRA recipe of the PEFT guide: the 4-bit weights stored as bf16, so ZeRO-3 can flatten them with the
-    rest. No device map: transformers refuses one under ZeRO-3, and bitsandbytes loads onto the rank's current device."""
+    rest. No device map: transformers refuses one under ZeRO-3, and a quantized load without one goes to the current
+    CUDA device (`{"": torch.cuda.current_device()}`), which is the rank's once accelerate (or the Trainer's
+    arguments) has set it, as in the users' order. The one-process reference is built before the Accelerator, so the
+    rank's device is made current here: without it, rank 1 loaded onto cuda:0 and its batch on cuda:1 failed the
+    first forward (`Expected all tensors to be on the same device, but got index is on cuda:1, different from other
+    tensors on cuda:0`, the two-GPU run of latest), ours, not a library's."""
+    if under_test.device.type == "cuda":
+        torch.cuda.set_device(under_test.device)
     config = scenario.bnb_config()
     config.bnb_4bit_quant_storage = torch.bfloat16
     arch = under_test.arch
