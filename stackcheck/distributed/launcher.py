@@ -6,6 +6,11 @@ its own, and torch's agent starts each rank in another one (which the rank recor
 reaches the launcher, its agent, every rank and whatever they started. When the
 timeout runs out, every rank without an outcome is hung: it is asked for its Python stacks (SIGUSR1, which each
 rank's faulthandler writes to its own file), then the whole group is killed.
+
+The launcher does not wait for torch's agent to notice the end: once every rank has written its outcome, or one
+rank failed or died and the others have not written theirs within TEARDOWN_GRACE_SECONDS, the job is reaped (those
+others are `stopped`, as the agent's teardown would leave them). Measured on two H200s: a two-rank cell whose ranks
+both fail at `prepare` took 48 to 55 s waiting for the agent, against 20 to 28 s for one that passes.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ from stackcheck.distributed.outcome import RankOutcome, RankState
 ENGINES_DIR = REPO_ROOT / "fixtures" / "distributed"
 # How long a hung rank gets to write its stacks after the signal.
 STACKS_GRACE_SECONDS = 2.0
+# How long the other ranks get to write their own outcomes once a rank has failed or died (a rank that fails on its
+# own does so within the same step; one still waiting in a collective for the failed rank would wait for minutes).
+TEARDOWN_GRACE_SECONDS = 10.0
+POLL_SECONDS = 0.1
 
 
 def engine_config(engine: str) -> Path:
@@ -66,14 +75,42 @@ def launch(target: str, outdir: Path, world_size: int = 2, engine: str | None = 
         job = subprocess.Popen(command(target, outdir, world_size, engine, free_port()), cwd=REPO_ROOT, env=env,
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            returncode = job.wait(timeout=timeout)
-            hung_after = None
-        except subprocess.TimeoutExpired:
-            returncode, hung_after = None, timeout
-            dump_stacks(outdir, world_size)
+            hung_after = wait(job, outdir, world_size, timeout)
+            if hung_after is not None:
+                dump_stacks(outdir, world_size)
         finally:
             reap(job, outdir, world_size)
-    return outcomes(outdir, world_size, hung_after, returncode)
+    return outcomes(outdir, world_size, hung_after, job.returncode)
+
+
+def wait(job: subprocess.Popen, outdir: Path, world_size: int, timeout: float) -> float | None:
+    """Until the job exits, every rank has written its outcome, or a rank failed or died and the others had
+    TEARDOWN_GRACE_SECONDS to write theirs; the timeout when it ran out first (the job hung), else None."""
+    started = time.monotonic()
+    failed_at = None
+    while job.poll() is None:
+        now = time.monotonic()
+        if now - started >= timeout:
+            return timeout
+        states = written_states(outdir, world_size)
+        if len(states) == world_size:
+            return None
+        if failed_at is None and {RankState.FAILED, RankState.DIED} & set(states.values()):
+            failed_at = now
+        if failed_at is not None and now - failed_at >= TEARDOWN_GRACE_SECONDS:
+            return None
+        time.sleep(POLL_SECONDS)
+    return None
+
+
+def written_states(outdir: Path, world_size: int) -> dict[int, RankState]:
+    """The state of every rank that has written its outcome (a file replaced atomically, so never half read)."""
+    states = {}
+    for rank in range(world_size):
+        path = rank_side.outcome_path(outdir, rank)
+        if path.exists():
+            states[rank] = RankState(json.loads(path.read_text())["state"])
+    return states
 
 
 def outcomes(outdir: Path, world_size: int, hung_after: float | None, returncode: int | None) -> list[RankOutcome]:

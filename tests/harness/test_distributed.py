@@ -51,6 +51,14 @@ def rank_one_hangs() -> dict:
     return {}
 
 
+def rank_one_raises_rank_zero_waits() -> dict:
+    """Rank 0 as it waits in a collective for a peer that failed: it would wait for minutes."""
+    if this_rank() == 1:
+        raise RuntimeError("rank one's own error")
+    time.sleep(120)
+    return {}
+
+
 def rank_one_segfaults() -> dict:
     if this_rank() == 1:
         ctypes.string_at(0)
@@ -92,6 +100,14 @@ def test_a_rank_that_raises_carries_its_failure_and_frame(tmp_path):
     failed = outcomes[1]
     assert failed.state == RankState.FAILED
     assert failed.failure.signature() == "RuntimeError: rank one's own error @ tests/harness/test_distributed.py:rank_one_raises"
+    assert no_process_of(tmp_path / "job")
+
+
+def test_once_a_rank_failed_the_job_is_torn_down_without_waiting_for_the_agent(tmp_path):
+    started = time.monotonic()
+    outcomes = launcher.launch(f"{HERE}:rank_one_raises_rank_zero_waits", tmp_path / "job", timeout=100)
+    assert time.monotonic() - started < 60
+    assert [o.state for o in outcomes] == [RankState.STOPPED, RankState.FAILED]
     assert no_process_of(tmp_path / "job")
 
 
