@@ -182,6 +182,20 @@ def relative_spread(values: list[float]) -> float:
     return (quartiles[2] - quartiles[0]) / statistics.median(values)
 
 
+# A step timed on half the batch takes half as long when the GPU sets the speed (ratio 0.5) and as long when the host's
+# kernel launches do (ratio 1): above the midpoint the host dominates, and a scaling efficiency is the ratio of two
+# host-bound speeds (the tiny case's 129% to 149%, with 12% to 28% spread), not the engine's.
+HOST_BOUND_RATIO = 0.75
+# Shards are padded to divide evenly: a part held within 5% of its share is held as the arithmetic says.
+HELD_SLACK = 0.05
+
+
+def host_bound(cells: dict[str, dict], size: str, engine: str) -> bool:
+    """Whether either world size of the case measured a half-batch time ratio above HOST_BOUND_RATIO."""
+    return any(cells.get(distributed_key(size, engine, world_size), {}).get("half_batch_time_ratio", 0) > HOST_BOUND_RATIO
+               for world_size in (1, 2))
+
+
 def scaling_efficiency(cells: dict[str, dict], size: str, engine: str) -> float | None:
     """World size 2's tokens/s over twice world size 1's (1.0: perfect data-parallel scaling), where both were measured."""
     one = cells.get(distributed_key(size, engine, 1), {}).get("train_tokens_per_s")

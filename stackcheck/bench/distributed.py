@@ -3,7 +3,8 @@
 fixtures/distributed/<engine>.yaml`), measured on every rank.
 
 The recipes are the distributed families' (stackcheck.distributed.recipes): FSDP2's NF4 with double quant in uint8
-storage, `device_map` on the rank's device, `prepare(model, optimizer)`; ZeRO-3's bf16 quant storage, no device map,
+storage (case `fsdp2`) and in bf16 storage (`fsdp2_bf16`, the memory recipe), `device_map` on the rank's device,
+`prepare(model, optimizer)`; ZeRO-3's bf16 quant storage, no device map,
 `prepare` with a DataLoader so that ZeRO's "auto" batch sizes are filled. Both train a fresh LoRA (tiny.lora_config: rank 4 on PEFT's default targets) with AdamW
 after `prepare_model_for_kbit_training`, which casts every parameter that is not 4-bit to fp32 and turns on gradient
 checkpointing.
@@ -28,13 +29,14 @@ Measured on every rank, after `warmup` untimed steps: the `steps` timed steps, e
 (torch.cuda.synchronize) and the ranks started together (a barrier); tokens/s of the whole job = rows x sequence x
 world size / the rank's median step time (the ranks step in lockstep: the job's number is its slowest rank's). On a
 GPU: peak allocated bytes from the start of the rank to the end of `prepare` (load and sharding), and again over the
-timed steps (the peak statistics reset at their start); allocated bytes at rest after `prepare`. And the sharding
-arithmetic (`weight_parts`, `expected_on_rank`): what the rank should hold at rest, each part's bytes / world size
-where the engine shards it (a DTensor under FSDP2, a ZeRO-3 partitioned parameter), whole where it does not, beside
-the bytes the rank's parameters really hold (`held_bytes`: shards are padded). The 4-bit quant states (absmax and the
-nested state) are attributes, not parameters: no engine shards them. Which parameters the engine shards is read
-from the prepared model, not assumed: accelerate >= 1.14 excludes FSDP2's uint8 4-bit weights from sharding
-(accelerate#3987), 1.13 shards them.
+timed steps (the peak statistics reset at their start); allocated bytes at rest after `prepare`. And two arithmetics
+of what the rank should hold at rest (stackcheck.distributed.memory), beside what its parameters really hold, by part
+(`held_by_part`: shards are padded): the user's (`users_arithmetic`: every parameter / world size, since the engine
+was told to shard the whole model) and the engine's (`arithmetic`: each part's bytes / world size where the engine
+really shards it, a DTensor under FSDP2 or a ZeRO-3 partitioned parameter, whole where it does not, read from the
+prepared model). The 4-bit quant states (absmax and the nested state) are attributes, not parameters: both keep them
+whole. The two differ where the engine leaves out what the user told it to shard: accelerate >= 1.14 excludes
+FSDP2's uint8 4-bit weights from sharding (accelerate#3987), so each rank holds them whole; 1.13 shards them.
 """
 
 from __future__ import annotations
@@ -46,8 +48,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stackcheck import REPO_ROOT
+from stackcheck.distributed.memory import expected_on_rank, held_by_part, is_sharded, users_arithmetic, weight_parts
 
-ENGINES = ("fsdp2", "zero3")
+# The cases: (launch config, bnb_4bit_quant_storage). FSDP2 in bitsandbytes' default uint8 storage (the FSDP-QLoRA
+# recipe as most users first write it), FSDP2 in bf16 storage (the memory recipe: accelerate >= 1.14 leaves uint8 4-bit
+# weights out of FSDP2's sharding, accelerate#3987, and bf16 storage lets it shard them), ZeRO-3 in bf16 (the PEFT guide).
+CASES = {"fsdp2": ("fsdp2", "uint8"), "fsdp2_bf16": ("fsdp2", "bfloat16"), "zero3": ("zero3", "bfloat16")}
+ENGINES = tuple(CASES)
+# The smoke run (CI, two gloo ranks on 2 cores, about 30 s a job) launches one job per engine, not per case.
+SMOKE_ENGINES = ("fsdp2", "zero3")
 WORLD_SIZES = (1, 2)
 # The bench's model comes from the repository's own fixture, not stackcheck.models.tiny.FIXTURES_DIR: a harness test
 # points that at a folder holding only the seed's fixtures to run the bench's smoke mode on a shrunk realistic model.
@@ -140,7 +149,7 @@ def measure(size: str, engine: str, world_size: int, smoke: bool, device, workdi
         return {**record, "not_measured": reason}
     build_checkpoint(size, device)
     profile = PROFILES[size, smoke]
-    outcomes = launcher.launch(RANK_FUNCTION, workdir, world_size, engine, lane, TIMEOUTS[size],
+    outcomes = launcher.launch(RANK_FUNCTION, workdir, world_size, CASES[engine][0], lane, TIMEOUTS[size],
                                {"size": size, "engine": engine, **asdict(profile)})
     if any(outcome.state != RankState.PASSED for outcome in outcomes):
         return {**record, "not_measured": f"the job failed: {RanksFailed(outcomes)}", "failed": True}
@@ -212,8 +221,10 @@ def train_rank(size: str, engine: str, rows: int, sequence: int, warmup: int, st
     # step takes about half as long (ratio 0.5), a host-bound one about as long (ratio 1).
     half_seconds = timed(half, 1)
 
-    sharded = {name for name, param in _unwrapped(model, engine).named_parameters() if _is_sharded(param, engine)}
+    sharded = {name for name, param in _unwrapped(model, engine).named_parameters() if is_sharded(param)}
     expected = expected_on_rank(parts, sharded, world_size)
+    users = users_arithmetic(parts, world_size)
+    held = held_by_part(_unwrapped(model, engine), parts)
     return {"rank": rank, "world_size": world_size, "device": str(device),
             "tokens_per_step": rows * sequence, "step_seconds": seconds,
             "job_tokens_per_s": rows * sequence * world_size / statistics.median(seconds),
@@ -221,7 +232,8 @@ def train_rank(size: str, engine: str, rows: int, sequence: int, warmup: int, st
             "half_batch_time_ratio": statistics.median(half_seconds) / statistics.median(seconds),
             "losses": [float(loss) for loss in losses], **memory,
             "arithmetic": expected, "expected_on_rank_bytes": sum(part["on_rank_bytes"] for part in expected.values()),
-            "held_bytes": held_bytes(_unwrapped(model, engine), parts)}
+            "users_arithmetic": users, "users_expected_on_rank_bytes": sum(part["on_rank_bytes"] for part in users.values()),
+            "held_by_part": held, "held_bytes": sum(held.values())}
 
 
 def _prepared(engine: str, under_test, rows: int):
@@ -232,11 +244,11 @@ def _prepared(engine: str, under_test, rows: int):
     from stackcheck import scenario
     from stackcheck.distributed import rank as rank_side, recipes
 
-    if engine == "fsdp2":
+    if CASES[engine][0] == "fsdp2":
         from torch.distributed.fsdp import FSDPModule
 
         accelerator = rank_side.accelerator()
-        model = recipes.fsdp_qlora_model(under_test)
+        model = recipes.fsdp_qlora_model(under_test, quant_storage=getattr(torch, CASES[engine][1]))
         optimizer = recipes.optimizer_for(model)
         parts = weight_parts(model)
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -253,64 +265,4 @@ def _prepared(engine: str, under_test, rows: int):
 
 def _unwrapped(model, engine: str):
     """The model whose parameter names are weight_parts's: ZeRO-3's engine wraps it, FSDP2 shards it in place."""
-    return model.module if engine == "zero3" else model
-
-
-# --- the sharding arithmetic ------------------------------------------------------------------------
-
-WEIGHTS, QUANT_STATES, FROZEN, LORA = "4-bit weights", "4-bit quant states", "other frozen parameters (fp32)", "LoRA (fp32)"
-
-
-def weight_parts(model) -> dict[str, dict[str, int]]:
-    """Bytes of each parameter, whole, by part, keyed by parameter name: 4-bit weights (their packed storage), their
-    quant states, the other frozen parameters (embeddings, with the tied lm_head once, and norms, which
-    `prepare_model_for_kbit_training` made fp32) and the LoRA weights. AdamW's two fp32 moments per LoRA weight are
-    left out (3.4 MB for Llama 3.2 1B's rank-4 LoRA: 426k parameters), as are gradients, activations and the layers
-    an engine gathers for a step: those are what the peaks add to the arithmetic."""
-    from stackcheck import scenario
-
-    parts = {part: {} for part in (WEIGHTS, QUANT_STATES, FROZEN, LORA)}
-    for name, param in model.named_parameters():
-        state = getattr(param, "quant_state", None)
-        if state is not None:
-            parts[WEIGHTS][name] = param.nbytes
-            parts[QUANT_STATES][name] = sum(tensor.nbytes for tensor in scenario.quant_state_tensors(state))
-        elif param.requires_grad:
-            parts[LORA][name] = param.nbytes
-        else:
-            parts[FROZEN][name] = param.nbytes
-    return parts
-
-
-def expected_on_rank(parts: dict[str, dict[str, int]], sharded: set[str], world_size: int) -> dict[str, dict]:
-    """Per part: its whole bytes, the bytes of it the engine shards, and what the rank should hold at rest (the
-    sharded bytes / world size + the rest whole). Quant states are never sharded: they are no parameters."""
-    expected = {}
-    for part, by_name in parts.items():
-        whole = sum(by_name.values())
-        sharded_bytes = 0 if part == QUANT_STATES else sum(size for name, size in by_name.items() if name in sharded)
-        expected[part] = {"whole_bytes": whole, "sharded_bytes": sharded_bytes,
-                          "on_rank_bytes": sharded_bytes / world_size + (whole - sharded_bytes)}
-    return expected
-
-
-def _is_sharded(param, engine: str) -> bool:
-    if engine == "zero3":
-        return hasattr(param, "ds_tensor")
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(param, DTensor)
-
-
-def held_bytes(model, parts: dict[str, dict[str, int]]) -> int:
-    """What the rank's parameters really hold at rest (a shard's local bytes, padding included) plus the quant
-    states, which stay whole: the measured side of `expected_on_rank`."""
-    held = sum(parts[QUANT_STATES].values())
-    for param in model.parameters():
-        if hasattr(param, "ds_tensor"):
-            held += param.ds_tensor.nbytes
-        elif hasattr(param, "to_local"):
-            held += param.to_local().nbytes
-        else:
-            held += param.nbytes
-    return held
+    return model.module if CASES[engine][0] == "zero3" else model

@@ -218,7 +218,8 @@ def _distributed(runs: dict[str, dict], baseline: str) -> list[str]:
              "size / the median synchronized step, its slowest rank's, ± IQR/median of its steps; the ratio is against the "
              "baseline set. [half batch r]: the step time on half the batch over the full one's, the highest of any rank "
              "(0.5: the GPU sets the speed; 1: the host does). Scaling efficiency = world size 2's tokens/s / (2 x world "
-             "size 1's).", "",
+             f"size 1's); \"host-bound\" where a world size's half-batch ratio is above {bench_compare.HOST_BOUND_RATIO}: "
+             "there the host's launches set the speed, and the ratio of two host-bound speeds is no efficiency.", "",
              "| set | size | engine | workload | ws1 tokens/s | ws2 tokens/s | scaling efficiency |", "|---" * 7 + "|"]
     for name, rows in cells.items():
         for size, engine in pairs:
@@ -235,16 +236,17 @@ def _distributed(runs: dict[str, dict], baseline: str) -> list[str]:
                             f"[half batch {row['half_batch_time_ratio']:.2f}]")
             workload = next((row["workload"] for row in rows.values() if (row["size"], row["engine"]) == (size, engine)
                              and "workload" in row), "")
-            efficiency = bench_compare.scaling_efficiency(rows, size, engine)
             lines.append(f"| {name} | {size} | {engine} | {workload} | " + " | ".join(cols)
-                         + f" | {f'{efficiency:.1%}' if efficiency is not None else ''} |")
+                         + f" | {_efficiency(rows, size, engine)} |")
     lines += ["", "Per rank: peak allocated (torch allocator) from the rank's start through `prepare` (load and sharding), "
               "and over the timed steps (reset at their start); allocated at rest after `prepare`; the arithmetic of what the "
-              "rank should hold at rest (each part's bytes / world size where the engine shards it, whole where it does not) "
-              "beside what its parameters hold (shards padded). The peaks' excess over the arithmetic is the step's: "
-              "activations, gradients, the layers an engine gathers, AdamW's moments.", "",
+              "rank should hold at rest: the user's (every parameter / world size: the engine was told to shard the whole "
+              "model; the 4-bit quant states whole, as they are no parameters) and the engine's (each part's bytes / world "
+              "size where the engine really shards it, whole where it does not), beside what its parameters hold (shards "
+              "padded); held / user's is flagged where a part is held above the user's arithmetic. The peaks' excess over "
+              "the arithmetic is the step's: activations, gradients, the layers an engine gathers, AdamW's moments.", "",
               "| set | size | engine | ws | rank | peak load+prepare MiB | peak steps MiB | allocated at rest MiB "
-              "| arithmetic MiB | held MiB | sharded | whole |", "|---" * 12 + "|"]
+              "| user's arithmetic MiB | engine's arithmetic MiB | held MiB | held / user's | sharded | whole |", "|---" * 14 + "|"]
     for name, rows in cells.items():
         for row in rows.values():
             for rank in row["record"].get("ranks", []):
@@ -253,11 +255,31 @@ def _distributed(runs: dict[str, dict], baseline: str) -> list[str]:
                 parts = rank["arithmetic"]
                 sharded = [part for part, sizes in parts.items() if sizes["sharded_bytes"]]
                 whole = [part for part, sizes in parts.items() if sizes["whole_bytes"] > sizes["sharded_bytes"]]
+                users = rank.get("users_expected_on_rank_bytes")
                 cols = [str(row["world_size"]), str(rank["rank"]), *(_number(v, MIB) if v is not None else "" for v in memory),
-                        _number(rank["expected_on_rank_bytes"], MIB), _number(rank["held_bytes"], MIB),
-                        ", ".join(sharded), ", ".join(whole)]
+                        _number(users, MIB) if users is not None else "", _number(rank["expected_on_rank_bytes"], MIB),
+                        _number(rank["held_bytes"], MIB), _held_against_users(rank), ", ".join(sharded), ", ".join(whole)]
                 lines.append(f"| {name} | {row['size']} | {row['engine']} | " + " | ".join(cols) + " |")
     return lines + [""]
+
+
+def _efficiency(rows: dict[str, dict], size: str, engine: str) -> str:
+    """The scaling efficiency, or "host-bound" where a world size's half-batch ratio says the host sets the speed."""
+    if bench_compare.host_bound(rows, size, engine):
+        return "host-bound"
+    efficiency = bench_compare.scaling_efficiency(rows, size, engine)
+    return f"{efficiency:.1%}" if efficiency is not None else ""
+
+
+def _held_against_users(rank: dict) -> str:
+    """What the rank holds over the user's arithmetic, and the parts it holds more of than that arithmetic allows."""
+    users = rank.get("users_arithmetic")
+    if not users or not rank.get("users_expected_on_rank_bytes"):
+        return ""
+    ratio = f"{rank['held_bytes'] / rank['users_expected_on_rank_bytes']:.2f}"
+    over = [part for part, held in rank.get("held_by_part", {}).items()
+            if part in users and held > users[part]["on_rank_bytes"] * (1 + bench_compare.HELD_SLACK)]
+    return f"{ratio}: **{', '.join(over)} over the user's arithmetic**" if over else ratio
 
 
 def _plot(summaries, cases, plots_dir: Path, notes: list[str]) -> list[tuple[str, str]]:

@@ -24,13 +24,23 @@ def lora_on(under_test, base):
     return scenario.qlora_model(under_test, base)
 
 
-def fsdp_qlora_model(under_test, base=None):
-    """The FSDP-QLoRA recipe: NF4 with double quant in bitsandbytes' default uint8 storage, on the rank's device
-    (`base` when the caller loaded it, to prove something of it first)."""
-    return lora_on(under_test, base if base is not None else scenario.load_base(under_test))
+def quantization_config(quant_storage: torch.dtype = torch.uint8):
+    """NF4 with double quant, the 4-bit weights packed into `quant_storage` (bitsandbytes' default uint8)."""
+    config = scenario.bnb_config()
+    config.bnb_4bit_quant_storage = quant_storage
+    return config
 
 
-def zero3_qlora_model(under_test):
+def fsdp_qlora_model(under_test, base=None, quant_storage: torch.dtype = torch.uint8):
+    """The FSDP-QLoRA recipe: NF4 with double quant in `quant_storage` (bitsandbytes' default uint8; bf16 is the
+    storage FSDP can shard with the rest), on the rank's device (`base` when the caller loaded it, to prove something
+    of it first)."""
+    if base is None:
+        base = scenario.load_base(under_test, quantization_config=quantization_config(quant_storage))
+    return lora_on(under_test, base)
+
+
+def zero3_qlora_model(under_test, quant_storage: torch.dtype = torch.bfloat16):
     """The ZeRO-3 QLoRA recipe of the PEFT guide: the 4-bit weights stored as bf16, so ZeRO-3 can flatten them with the
     rest. No device map: transformers refuses one under ZeRO-3, and a quantized load without one goes to the current
     CUDA device (`{"": torch.cuda.current_device()}`), which is the rank's once accelerate (or the Trainer's
@@ -40,8 +50,7 @@ def zero3_qlora_model(under_test):
     tensors on cuda:0`, the two-GPU run of latest), ours, not a library's."""
     if under_test.device.type == "cuda":
         torch.cuda.set_device(under_test.device)
-    config = scenario.bnb_config()
-    config.bnb_4bit_quant_storage = torch.bfloat16
+    config = quantization_config(quant_storage)
     arch = under_test.arch
     return lora_on(under_test, scenario.load_pretrained(tiny.model_class(arch), tiny.base_checkpoint(arch), True, True, None,
                                                         quantization_config=config))

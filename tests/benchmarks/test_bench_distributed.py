@@ -2,7 +2,7 @@
 world sizes 1 and 2, launched as users launch them, every rank's tokens/s of the job, peak VRAM and sharding
 arithmetic recorded under `stackcheck.distributed` in the bench JSON (not pytest-benchmark entries: the ranks time
 their steps, not this process). A world size the host cannot run is recorded as not measured, with the reason,
-and skipped; a job that fails is recorded with its ranks' failures, and fails. In smoke mode the tiny size only: on the CPU two ranks over gloo, as CI runs it.
+and skipped; a job that fails is recorded with its ranks' failures, and fails. In smoke mode the tiny size only, FSDP2 (uint8) and ZeRO-3: on the CPU two ranks over gloo, as CI runs it.
 """
 
 import pytest
@@ -18,7 +18,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     cells = [pytest.param(size, engine, world_size, id=f"{size}-{engine}-ws{world_size}",
                           marks=pytest.mark.timeout(distributed.TIMEOUTS[size] + distributed.BUILD_SECONDS))
              for size in distributed.sizes(bench_sizes(metafunc.config), smoke)
-             for engine in distributed.ENGINES for world_size in distributed.WORLD_SIZES]
+             for engine in (distributed.SMOKE_ENGINES if smoke else distributed.ENGINES) for world_size in distributed.WORLD_SIZES]
     metafunc.parametrize(("size", "engine", "world_size"), cells)
 
 

@@ -90,6 +90,9 @@ def test_smoke_bench_records_the_distributed_case_on_two_gloo_ranks(smoke):
         assert [r["rank"] for r in ranks] == [0, 1], engine
         # what each rank's parameters hold is what the sharding arithmetic says, shard by shard
         assert all(r["job_tokens_per_s"] > 0 and r["expected_on_rank_bytes"] == r["held_bytes"] for r in ranks), engine
+        # the user's arithmetic shards every parameter: never more than the engine's
+        assert all(sum(r["held_by_part"].values()) == r["held_bytes"] for r in ranks), engine
+        assert all(r["users_expected_on_rank_bytes"] <= r["expected_on_rank_bytes"] for r in ranks), engine
 
 
 def test_compare_passes_a_run_against_itself(smoke):
@@ -292,3 +295,25 @@ def test_a_failed_distributed_job_is_named_where_its_numbers_would_be():
     gate_lines = bench_report._gate({"base": base, "cand": cand}, "base")
     assert f"- distributed realistic/fsdp2/ws1: {failed['not_measured']}" in gate_lines
     assert bench_compare.compare(cand, base) == ["realistic/fsdp2/ws1: in the baseline, missing from the candidate (its benchmark failed or did not run)"]
+
+
+def distributed_record(engine: str, world_size: int, half_ratio: float, held_weights: int) -> dict:
+    """A distributed cell as train_rank records it: one rank, 4-bit weights of 1000 bytes held `held_weights`."""
+    users = {"4-bit weights": {"whole_bytes": 1000, "sharded_bytes": 1000, "on_rank_bytes": 1000 / world_size}}
+    rank = {"rank": 0, "job_tokens_per_s": 100.0 * world_size, "step_seconds": [1.0, 1.0, 1.0], "half_batch_time_ratio": half_ratio,
+            "arithmetic": users, "expected_on_rank_bytes": 1000 / world_size, "users_arithmetic": users,
+            "users_expected_on_rank_bytes": 1000 / world_size, "held_by_part": {"4-bit weights": held_weights}, "held_bytes": held_weights}
+    return {"size": "tiny", "engine": engine, "world_size": world_size, "lane": "gpu", "model": "m", "rows": 1, "sequence": 1,
+            "steps": 3, "ranks": [rank]}
+
+
+def test_the_report_says_host_bound_instead_of_an_efficiency_and_flags_a_rank_over_the_users_arithmetic():
+    run = gpu_run(100.0)
+    run["stackcheck"]["distributed"] = [distributed_record("fsdp2", 1, 0.95, 1000), distributed_record("fsdp2", 2, 0.97, 1000),
+                                        distributed_record("zero3", 1, 0.5, 1000), distributed_record("zero3", 2, 0.52, 500)]
+    lines = bench_report._distributed({"base": run}, "base")
+    speed = {line.split(" | ")[2]: line for line in lines if line.startswith("| base | tiny |") and "tokens a rank" in line}
+    assert speed["fsdp2"].endswith("| host-bound |") and speed["zero3"].endswith("| 100.0% |")
+    memory = [line for line in lines if line.startswith("| base | tiny |") and " | 2 | 0 | " in line]
+    assert any("fsdp2" in line and "2.00: **4-bit weights over the user's arithmetic**" in line for line in memory)
+    assert any("zero3" in line and "| 1.00 |" in line for line in memory)

@@ -1,0 +1,105 @@
+"""What a rank holds at rest against the arithmetic, for the distributed families and the bench's distributed case.
+
+A QLoRA model's parameters fall in parts (`weight_parts`): the 4-bit weights (their packed storage), their quant
+states (absmax and the nested state: attributes of the weights, not parameters), the other frozen parameters
+(embeddings, with a tied lm_head once, and norms) and the LoRA weights. Two arithmetics of what a rank of a job of
+`world_size` ranks should hold:
+- **the user's** (`users_arithmetic`): every parameter is sharded, since the engine was told to shard the whole model
+  (FSDP wraps every decoder layer and the root; ZeRO-3 partitions every parameter), so each part's bytes / world size.
+  The quant states stay whole: no engine can shard what is not a parameter, and the user's arithmetic knows it.
+- **the engine's** (`expected_on_rank` with the names the engine really sharded, read from the prepared model): the
+  bench reports it beside the user's, to say where the difference comes from.
+What the rank holds (`held_by_part`) is read from the prepared model's parameters: a DTensor's local shard (FSDP2), a
+ZeRO-3 parameter's partition (`ds_tensor`), an FSDP1 parameter's view of the rank's shard of its flat parameter
+(`use_orig_params`), else the whole tensor. Shards are padded to divide evenly: a few elements per tensor.
+"""
+
+from __future__ import annotations
+
+WEIGHTS, QUANT_STATES, FROZEN, LORA = "4-bit weights", "4-bit quant states", "other frozen parameters", "LoRA"
+PARTS = (WEIGHTS, QUANT_STATES, FROZEN, LORA)
+# Name prefixes of wrappers, so that a prepared model's parameter names are the plain model's.
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def plain_name(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def weight_parts(model) -> dict[str, dict[str, int]]:
+    """Bytes of each parameter, whole, by part, keyed by parameter name (of the model before `prepare`). AdamW's
+    moments, gradients, activations and the layers an engine gathers for a step are left out: those are what the
+    peaks add to the arithmetic."""
+    from stackcheck import scenario
+
+    parts = {part: {} for part in PARTS}
+    for name, param in model.named_parameters():
+        state = getattr(param, "quant_state", None)
+        if state is not None:
+            parts[WEIGHTS][name] = param.nbytes
+            parts[QUANT_STATES][name] = sum(tensor.nbytes for tensor in scenario.quant_state_tensors(state))
+        elif param.requires_grad:
+            parts[LORA][name] = param.nbytes
+        else:
+            parts[FROZEN][name] = param.nbytes
+    return parts
+
+
+def expected_on_rank(parts: dict[str, dict[str, int]], sharded: set[str], world_size: int) -> dict[str, dict]:
+    """Per part: its whole bytes, the bytes of it sharded, and what the rank should hold at rest (the sharded bytes /
+    world size + the rest whole). Quant states are never sharded: they are no parameters."""
+    expected = {}
+    for part, by_name in parts.items():
+        whole = sum(by_name.values())
+        sharded_bytes = 0 if part == QUANT_STATES else sum(size for name, size in by_name.items() if name in sharded)
+        expected[part] = {"whole_bytes": whole, "sharded_bytes": sharded_bytes,
+                          "on_rank_bytes": sharded_bytes / world_size + (whole - sharded_bytes)}
+    return expected
+
+
+def users_arithmetic(parts: dict[str, dict[str, int]], world_size: int) -> dict[str, dict]:
+    """The user's arithmetic: every parameter sharded over the ranks, the quant states whole."""
+    return expected_on_rank(parts, {name for by_name in parts.values() for name in by_name}, world_size)
+
+
+def local_bytes(param) -> int:
+    """The bytes of `param` this rank holds: its ZeRO-3 partition, its DTensor shard, else the tensor itself."""
+    if hasattr(param, "ds_tensor"):
+        return param.ds_tensor.nbytes
+    if hasattr(param, "to_local"):
+        return param.to_local().nbytes
+    return param.nbytes
+
+
+def is_sharded(param) -> bool:
+    """Whether the engine shards `param`: a ZeRO-3 parameter or a DTensor (FSDP2)."""
+    if hasattr(param, "ds_tensor"):
+        return True
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
+
+
+def held_by_part(model, parts: dict[str, dict[str, int]]) -> dict[str, int]:
+    """What the rank's parameters hold at rest, by part (the quant states whole: they are never sharded). A parameter
+    that no part names (an engine's own) is counted under the part "other"."""
+    part_of = {name: part for part, by_name in parts.items() if part != QUANT_STATES for name in by_name}
+    held = {part: 0 for part in PARTS}
+    held[QUANT_STATES] = sum(parts[QUANT_STATES].values())
+    for name, param in model.named_parameters():
+        part = part_of.get(plain_name(name), "other")
+        held[part] = held.get(part, 0) + local_bytes(param)
+    return held
+
+
+def held_bytes(model, parts: dict[str, dict[str, int]]) -> int:
+    return sum(held_by_part(model, parts).values())
+
+
+def over_arithmetic(held: dict[str, int], expected: dict[str, dict], slack: float) -> dict[str, tuple[int, float]]:
+    """The parts a rank holds more of than the arithmetic allows (its on-rank bytes x (1 + slack)): part -> (held,
+    expected)."""
+    return {part: (held.get(part, 0), want["on_rank_bytes"]) for part, want in expected.items()
+            if held.get(part, 0) > want["on_rank_bytes"] * (1 + slack)}
