@@ -98,6 +98,19 @@ def held_bytes(model, parts: dict[str, dict[str, int]]) -> int:
     return sum(held_by_part(model, parts).values())
 
 
+PARAMETERS = "parameters"
+
+
+def merged(held: dict[str, int], expected: dict[str, dict]) -> tuple[dict[str, int], dict[str, dict]]:
+    """The parameters' parts as one (the quant states apart): FSDP1 shards a unit's flat parameter in contiguous slices,
+    so one rank may hold all of a unit's LoRA weights and the other more of its 4-bit weights; only the sum is the
+    rank's share."""
+    names = [part for part in expected if part != QUANT_STATES]
+    total = {key: sum(expected[part][key] for part in names) for key in ("whole_bytes", "sharded_bytes", "on_rank_bytes")}
+    return ({PARAMETERS: sum(held.get(part, 0) for part in [*names, "other"]), QUANT_STATES: held.get(QUANT_STATES, 0)},
+            {PARAMETERS: total, QUANT_STATES: expected[QUANT_STATES]})
+
+
 def over_arithmetic(held: dict[str, int], expected: dict[str, dict], slack: float) -> dict[str, tuple[int, float]]:
     """The parts a rank holds more of than the arithmetic allows (its on-rank bytes x (1 + slack)): part -> (held,
     expected)."""

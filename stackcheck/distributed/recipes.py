@@ -19,9 +19,16 @@ def optimizer_for(model) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
 
 
-def lora_on(under_test, base):
+def lora_on(under_test, base, use_reentrant: bool | None = None):
+    """The QLoRA recipe on `base` (`scenario.qlora_model`), its LoRA from LORA_SEED; with `use_reentrant`, the
+    gradient checkpointing `prepare_model_for_kbit_training` turns on is asked for in that mode."""
     torch.manual_seed(LORA_SEED)
-    return scenario.qlora_model(under_test, base)
+    if use_reentrant is None:
+        return scenario.qlora_model(under_test, base)
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    prepared = prepare_model_for_kbit_training(base, gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    return get_peft_model(prepared, tiny.lora_config(under_test.arch, "language")).train()
 
 
 def quantization_config(quant_storage: torch.dtype = torch.uint8):
@@ -31,16 +38,16 @@ def quantization_config(quant_storage: torch.dtype = torch.uint8):
     return config
 
 
-def fsdp_qlora_model(under_test, base=None, quant_storage: torch.dtype = torch.uint8):
+def fsdp_qlora_model(under_test, base=None, quant_storage: torch.dtype = torch.uint8, use_reentrant: bool | None = None):
     """The FSDP-QLoRA recipe: NF4 with double quant in `quant_storage` (bitsandbytes' default uint8; bf16 is the
     storage FSDP can shard with the rest), on the rank's device (`base` when the caller loaded it, to prove something
     of it first)."""
     if base is None:
         base = scenario.load_base(under_test, quantization_config=quantization_config(quant_storage))
-    return lora_on(under_test, base)
+    return lora_on(under_test, base, use_reentrant)
 
 
-def zero3_qlora_model(under_test, quant_storage: torch.dtype = torch.bfloat16):
+def zero3_qlora_model(under_test, quant_storage: torch.dtype = torch.bfloat16, use_reentrant: bool | None = None):
     """The ZeRO-3 QLoRA recipe of the PEFT guide: the 4-bit weights stored as bf16, so ZeRO-3 can flatten them with the
     rest. No device map: transformers refuses one under ZeRO-3, and a quantized load without one goes to the current
     CUDA device (`{"": torch.cuda.current_device()}`), which is the rank's once accelerate (or the Trainer's
@@ -53,7 +60,7 @@ def zero3_qlora_model(under_test, quant_storage: torch.dtype = torch.bfloat16):
     config = quantization_config(quant_storage)
     arch = under_test.arch
     return lora_on(under_test, scenario.load_pretrained(tiny.model_class(arch), tiny.base_checkpoint(arch), True, True, None,
-                                                        quantization_config=config))
+                                                        quantization_config=config), use_reentrant)
 
 
 def deepspeed_stage3_accelerator():
@@ -64,3 +71,131 @@ def deepspeed_stage3_accelerator():
     scenario.require(plugin is not None and plugin.zero_stage == 3,
                      f"accelerate's state is {accelerator.distributed_type}, not DeepSpeed ZeRO-3")
     return accelerator
+
+
+# --- the engines' shared steps (the contract families of tests/contract/distributed) --------------------------------
+
+ENGINES = ("fsdp1", "fsdp2", "zero3")
+STORAGES = {"uint8": torch.uint8, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def engine_accelerator(engine: str):
+    """The launch's Accelerator, on the rank's device (ZeRO-3 proven at stage 3)."""
+    if engine == "zero3":
+        return deepspeed_stage3_accelerator()
+    accelerator = rank_side.accelerator()
+    if accelerator.device.type == "cuda":
+        torch.cuda.set_device(accelerator.device)
+    return accelerator
+
+
+def engine_model(under_test, engine: str, use_reentrant: bool | None = None):
+    """The engine's QLoRA recipe in the storage it shards: FSDP2 and ZeRO-3 in bf16 (FSDP1: see storage_model)."""
+    if engine == "zero3":
+        return zero3_qlora_model(under_test, use_reentrant=use_reentrant)
+    return fsdp_qlora_model(under_test, quant_storage=torch.bfloat16, use_reentrant=use_reentrant)
+
+
+def storage_model(under_test, engine: str, quant_storage: torch.dtype):
+    """The engine's QLoRA recipe with the 4-bit weights in `quant_storage`. FSDP1 flattens a unit into one dtype, so
+    with a float storage every float parameter beside the 4-bit weights is cast to it (fsdp1_quant_storage's control;
+    fp32 storage is then the QLoRA recipe as it is, its trainables being fp32 already)."""
+    if engine == "zero3":
+        return zero3_qlora_model(under_test, quant_storage)
+    model = fsdp_qlora_model(under_test, quant_storage=quant_storage)
+    if engine == "fsdp1" and quant_storage.is_floating_point:
+        for param in model.parameters():
+            if type(param).__name__ != "Params4bit" and param.is_floating_point():
+                param.data = param.data.to(quant_storage)
+    return model
+
+
+def batch_loader(batch: dict[str, torch.Tensor]):
+    """The training batch as a DataLoader: accelerate fills ZeRO's "auto" batch sizes from the one it prepares."""
+    return torch.utils.data.DataLoader([{k: v[0] for k, v in batch.items()}], batch_size=1)
+
+
+def prepare(accelerator, engine: str, model, optimizer, batch: dict[str, torch.Tensor]):
+    """`accelerator.prepare` as users call it for the engine (ZeRO-3 with a DataLoader), proven sharded: an FSDP1
+    module, an FSDP2 module, or DeepSpeed's engine at stage 3. (model, optimizer, the plain model inside)."""
+    if engine == "zero3":
+        model, optimizer, _ = accelerator.prepare(model, optimizer, batch_loader(batch))
+        scenario.require(model.zero_optimization_stage() == 3, "DeepSpeed's engine is not at ZeRO stage 3")
+        return model, optimizer, model.module
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        scenario.require(isinstance(model, FSDP), f"prepare gave {type(model).__name__}, not an FSDP1 module")
+    else:
+        from torch.distributed.fsdp import FSDPModule
+
+        scenario.require(isinstance(model, FSDPModule), f"prepare gave {type(model).__name__}, not an FSDP2 module")
+    return model, optimizer, model
+
+
+def sharded_steps(accelerator, model, optimizer, batch: dict[str, torch.Tensor], steps: int) -> list[float]:
+    """`steps` optimizer steps as users write them under accelerate (its backward, which is ZeRO-3's own)."""
+    losses = []
+    for _ in range(steps):
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def lora_weights(model, engine: str) -> dict[str, torch.Tensor]:
+    """Every LoRA weight in full, by its plain name, gathered from the ranks where the engine shards it."""
+    from stackcheck.distributed.memory import plain_name
+
+    named = {name: p for name, p in model.named_parameters() if "lora_" in name}
+    if engine == "zero3" and any(hasattr(p, "ds_tensor") for p in named.values()):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(named.values())):
+            return {plain_name(name): p.detach().float().cpu().clone() for name, p in named.items()}
+    if engine == "fsdp1" and any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model):
+            return {plain_name(name): p.detach().float().cpu().clone() for name, p in model.named_parameters() if "lora_" in name}
+    return {plain_name(name): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
+            for name, p in named.items()}
+
+
+def distinct_rows(count: int) -> list[list[int]]:
+    """`count` training sequences of one length, each its own (the training ids rotated), every token a label: the
+    mean over a batch of them is the mean of their per-sequence means, however the ranks split them."""
+    ids = scenario.TRAINING_IDS[0]
+    return [ids[row:] + ids[:row] for row in range(count)]
+
+
+def rows_batch(rows: list[list[int]], device) -> dict[str, torch.Tensor]:
+    ids = torch.tensor(rows, device=device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def one_process_sgd(model, batch: dict[str, torch.Tensor], steps: int, learning_rate: float) -> dict[str, torch.Tensor]:
+    """The reference of a data-parallel job: `steps` plain SGD steps in one process on the whole global batch; the
+    change of every LoRA weight, by plain name."""
+    before = lora_weights(model, "one_process")
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=learning_rate)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(**batch).loss.backward()
+        optimizer.step()
+    after = lora_weights(model, "one_process")
+    return {name: after[name] - before[name] for name in before}
+
+
+def assert_same_update(what: str, update: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], tolerance: float) -> float:
+    """Every LoRA weight moved as in the reference (relative error of the change, over the weights the reference
+    moved); the worst relative error."""
+    scenario.require(update.keys() == reference.keys(), f"{what}: other LoRA weights than one process's")
+    moved = [name for name, delta in reference.items() if delta.any()]
+    scenario.require(moved, "one process's step moved no LoRA weight")
+    worst = max(scenario.relative_error(update[name], reference[name]) for name in moved)
+    scenario.assert_within(f"{what}: the LoRA update differs from one process's on the whole batch, worst relative error", worst, tolerance)
+    return worst

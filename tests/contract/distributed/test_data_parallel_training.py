@@ -1,0 +1,179 @@
+"""A data-parallel QLoRA job trains at the world size it was launched with, and its update is the one-process update
+on the whole global batch.
+
+Properties:
+- **The Trainer trains at the launched world size, gradients all-reduced.** `accelerate launch` with DDP
+  (`fixtures/distributed/ddp.yaml`), FSDP2 or ZeRO-3, then `transformers.Trainer` with plain SGD, a constant rate and
+  no clipping, one step of one sequence a rank. The ranks see different sequences, so a rank that trained alone (no
+  all-reduce), a job that ran on one process, or a loss scaled by the world size moves the LoRA weights otherwise than
+  one process's SGD step on every rank's sequence at once (users' symptoms: transformers#34191 and #35839 on the
+  loss's scaling across devices; a Trainer quietly training one process, accelerate#2434).
+- **DDP QLoRA through `accelerate launch` matches one process.** The bare loop users write (`Accelerator`, `prepare`,
+  `accelerator.backward`) on a 4-bit base loaded with `device_map={"": local_rank}`, as the bitsandbytes and PEFT
+  guides write it, and with `device_map="auto"`, which users also pass: three SGD steps, each rank its own sequence.
+- **One process that sees two GPUs** (the Trainer's `n_gpu > 1`, `python train.py` on a two-GPU host): the same step
+  as one process on one GPU. The Trainer multiplies the batch by `n_gpu` but leaves a 4-bit model out of
+  `torch.nn.DataParallel` ("quantized models do not support DP", `Trainer._wrap_model`): measured on two H200s, both
+  sets, the model stays a PeftModel on one GPU, which then takes both sequences.
+
+Precondition proven: `TrainingArguments.world_size`, the process group's size and `WORLD_SIZE` are the launched world
+size; the Trainer took one step; the sequences the ranks' data loaders gave them are the dataset, each once, none on two
+ranks; `prepare` gave DDP's module (or FSDP2's, or DeepSpeed's engine at stage 3); the single-process Trainer ran with
+`n_gpu == 2`, a batch of 2 and one step.
+
+Tolerance: the update (weights after - before, over the LoRA weights one process moves) against one process's, by
+relative error. The global mean over sequences of one length is the mean of the ranks' means, so the difference is
+summation order only: 1e-3 (fp32 LoRA weights, bf16 compute). A rank that trained alone, or a loss scaled by the world
+size, is off by order 1 (a 2x scale is 0.5).
+
+CPU lane: the Trainer cell under DDP (two gloo ranks, 30 to 45 s on 2 shared cores); the rest in the GPU lane only.
+"""
+
+import os
+
+import pytest
+import torch
+
+from stackcheck import scenario
+from stackcheck.distributed import rank as rank_side, recipes
+from stackcheck.distributed.cells import WORLD_SIZES
+from stackcheck.models import architectures, tiny
+
+MODULE = "tests.contract.distributed.test_data_parallel_training"
+ARCHITECTURE = "llama3"
+LEARNING_RATE = 0.05
+STEPS = 3
+TOLERANCE = 1e-3
+GPU_ONLY = "its CPU variant reproduces nothing the Trainer's DDP cell does not"
+
+
+def subject() -> scenario.UnderTest:
+    return scenario.UnderTest(architectures.builtin()[ARCHITECTURE], rank_side.device())
+
+
+def trainer_model(engine: str, under_test):
+    """The engine's QLoRA recipe for the Trainer: DDP on the rank's device in uint8 storage, FSDP2 in bf16 storage
+    (its memory recipe, and no uint8 bug on old torch), ZeRO-3 as the PEFT guide writes it."""
+    if engine == "zero3":
+        return recipes.zero3_qlora_model(under_test)
+    return recipes.fsdp_qlora_model(under_test, quant_storage=torch.bfloat16 if engine == "fsdp2" else torch.uint8)
+
+
+def require_trainer_engine(trainer, engine: str) -> None:
+    if engine == "zero3":
+        scenario.require(trainer.is_deepspeed_enabled and trainer.deepspeed.zero_optimization_stage() == 3,
+                         "the Trainer did not train under DeepSpeed ZeRO-3")
+    elif engine == "fsdp2":
+        from torch.distributed.fsdp import FSDPModule
+
+        scenario.require(trainer.is_fsdp_enabled and isinstance(trainer.model_wrapped, FSDPModule),
+                         f"the Trainer trained a {type(trainer.model_wrapped).__name__}, not an FSDP2 module")
+    else:
+        scenario.require(isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel) or trainer.args.world_size == 1,
+                         f"the Trainer trained a {type(trainer.model_wrapped).__name__}, not DDP's module")
+
+
+def trainer_step(sharding: str, launched: int, output_dir: str) -> dict:
+    """On every rank: one process's SGD step on every rank's sequence, then the Trainer's step under the launch."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    engine, world_size = sharding, launched
+    args = TrainingArguments(output_dir, per_device_train_batch_size=1, max_steps=1, learning_rate=LEARNING_RATE, optim="sgd",
+                             lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, report_to="none",
+                             save_strategy="no", use_cpu=rank_side.lane() == "cpu")
+    under_test = subject()
+    rows = recipes.distinct_rows(world_size)
+    reference = recipes.one_process_sgd(trainer_model(engine, under_test), recipes.rows_batch(rows, under_test.device), 1, LEARNING_RATE)
+
+    model = trainer_model(engine, under_test)
+    seen = []
+
+    def collate(features):
+        batch = default_data_collator(features)
+        seen.extend(batch["input_ids"].tolist())
+        return batch
+
+    dataset = [{"input_ids": torch.tensor(row), "labels": torch.tensor(row)} for row in rows]
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collate)
+    before = recipes.lora_weights(trainer.model, "one_process")
+    trainer.train()
+    require_trainer_engine(trainer, engine)
+    sizes = {"launched": world_size, "TrainingArguments.world_size": trainer.args.world_size,
+             "process group": torch.distributed.get_world_size(), "WORLD_SIZE": int(os.environ["WORLD_SIZE"])}
+    scenario.require(len(set(sizes.values())) == 1, f"the job does not run at the launched world size: {sizes}")
+    scenario.require(trainer.state.global_step == 1, f"the Trainer took {trainer.state.global_step} steps, not 1")
+    every_rank = [None] * world_size
+    torch.distributed.all_gather_object(every_rank, seen)
+    scenario.require(sorted(row for rank_rows in every_rank for row in rank_rows) == sorted(rows),
+                     f"the ranks' data loaders gave {every_rank}, not each of the {world_size} sequences once")
+    after = recipes.lora_weights(trainer.model_wrapped if engine == "fsdp2" else trainer.model, engine)
+    update = {name: after[name] - before[name] for name in before}
+    worst = recipes.assert_same_update(f"the Trainer under {engine} at world size {world_size}", update, reference, TOLERANCE)
+    return {"worst_relative_error": worst, "rows_seen": seen}
+
+
+def ddp_steps(device_map: str, launched: int) -> dict:
+    """On every rank: STEPS SGD steps of one process on every rank's sequence, then the same under the launch's DDP,
+    the base loaded with the cell's device map."""
+    world_size = launched
+    accelerator = rank_side.accelerator()
+    under_test = subject()
+    rows = recipes.distinct_rows(world_size)
+    reference = recipes.one_process_sgd(recipes.fsdp_qlora_model(under_test), recipes.rows_batch(rows, under_test.device),
+                                        STEPS, LEARNING_RATE)
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    placement = {"": local_rank} if device_map == "rank" else "auto"
+    base = scenario.load_base(under_test, device_map=placement)
+    model = recipes.lora_on(under_test, base)
+    before = recipes.lora_weights(model, "one_process")
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    scenario.require(world_size == 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel),
+                     f"prepare gave {type(model).__name__}, not DDP's module")
+    scenario.require(torch.distributed.get_world_size() == world_size, "the job does not run at the launched world size")
+    batch = recipes.rows_batch([rows[torch.distributed.get_rank()]], under_test.device)
+    recipes.sharded_steps(accelerator, model, optimizer, batch, STEPS)
+    after = recipes.lora_weights(accelerator.unwrap_model(model), "one_process")
+    update = {name: after[name] - before[name] for name in before}
+    worst = recipes.assert_same_update(f"DDP with device_map {placement!r}", update, reference, TOLERANCE)
+    return {"worst_relative_error": worst, "hf_device_map": {k: str(v) for k, v in base.hf_device_map.items()}}
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "zero3"])
+@WORLD_SIZES
+def test_the_trainer_trains_at_the_launched_world_size(ranks, world_size, engine, tmp_path):
+    tiny.base_checkpoint(architectures.builtin()[ARCHITECTURE])  # built once here, before the ranks read it
+    ranks(f"{MODULE}:trainer_step", world_size, engine=engine, gpu_only=None if engine == "ddp" else GPU_ONLY,
+          sharding=engine, launched=world_size, output_dir=str(tmp_path / "trained"))
+
+
+@pytest.mark.parametrize("device_map", ["rank", "auto"])
+@WORLD_SIZES
+def test_ddp_qlora_steps_match_one_process(ranks, world_size, device_map):
+    tiny.base_checkpoint(architectures.builtin()[ARCHITECTURE])
+    ranks(f"{MODULE}:ddp_steps", world_size, engine="ddp", gpu_only="a device map of the rank's GPU", device_map=device_map,
+          launched=world_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.gpus(2)
+def test_one_process_on_two_gpus_matches_one_gpu(tmp_path):
+    """In the test's own process, which sees every GPU (under xdist too: stackcheck.plugin.worker_gpus)."""
+    from transformers import Trainer, TrainingArguments
+
+    under_test = scenario.UnderTest(architectures.builtin()[ARCHITECTURE], scenario.lane_device("gpu"))
+    rows = recipes.distinct_rows(2)
+    reference = recipes.one_process_sgd(recipes.fsdp_qlora_model(under_test), recipes.rows_batch(rows, under_test.device), 1, LEARNING_RATE)
+    args = TrainingArguments(str(tmp_path / "trained"), per_device_train_batch_size=1, max_steps=1, learning_rate=LEARNING_RATE,
+                             optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, report_to="none",
+                             save_strategy="no")
+    model = recipes.fsdp_qlora_model(under_test)
+    dataset = [{"input_ids": torch.tensor(row), "labels": torch.tensor(row)} for row in rows]
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    before = recipes.lora_weights(model, "one_process")
+    trainer.train()
+    scenario.require(trainer.args.n_gpu == 2 and trainer.args.train_batch_size == 2 and trainer.state.global_step == 1,
+                     f"the Trainer ran with n_gpu {trainer.args.n_gpu}, batch {trainer.args.train_batch_size}, {trainer.state.global_step} steps")
+    after = recipes.lora_weights(model, "one_process")
+    recipes.assert_same_update("the Trainer on two GPUs in one process", {n: after[n] - before[n] for n in before}, reference, TOLERANCE)
