@@ -1,5 +1,6 @@
 """stackcheck: conformance and regression suite for the Hugging Face QLoRA stack."""
 
+import importlib.util
 import logging
 import platform
 import sys
@@ -7,6 +8,12 @@ from pathlib import Path
 
 if sys.version_info < (3, 11):  # pyproject's requires-python: tomllib. Before any import fails with a traceback.
     print(f"stackcheck: needs Python >= 3.11; {sys.executable} is {platform.python_version()}", file=sys.stderr)
+    raise SystemExit(2)
+
+if importlib.util.find_spec("packaging") is None:  # pyproject's one dependency, which every command imports
+    print(f"stackcheck: needs the `packaging` package, which this Python ({sys.executable}) lacks: pip install packaging "
+          "(where pip refuses to install outside a virtual environment: python3 -m venv .venv && .venv/bin/pip install packaging)",
+          file=sys.stderr)
     raise SystemExit(2)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

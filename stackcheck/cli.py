@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, envs, gate, results, wheelhouse
+from stackcheck import REPO_ROOT, envs, gate, inputs, results, wheelhouse
 from stackcheck.bench import compare as bench_compare, report as bench_report
 from stackcheck.releases import bisect, history
 from stackcheck.triage import doctor, repro, scan
@@ -17,7 +18,7 @@ from stackcheck.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, check_
 from stackcheck.ledger import LedgerError
 from stackcheck.progress import Progress
 from stackcheck.models import architectures
-from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, refresh_latest, resolve
+from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, load_sets, refresh_latest, resolve
 
 DEFAULT_RESULTS = REPO_ROOT / "results" / "matrix.json"
 STORE_HELP = "the probe store that history, bisect and watch share (default: results/probes.json)"
@@ -69,28 +70,32 @@ def check_checkout(command: str) -> None:
 
 
 def check_common_options(args) -> None:
-    """The set and install options every command shares, before any set is resolved or built."""
-    if getattr(args, "one_set", False) and args.sets and "," in args.sets:
-        raise UsageError(f"--set takes one set name, not '{args.sets}' (the matrix takes several: --sets a,b)")
+    """The set and install options every command shares, before any set is resolved or built (the rules every
+    option follows, empty values and repeated options among them, are stackcheck.inputs')."""
     if getattr(args, "no_index", False) and not args.find_links:
         raise UsageError("--no-index installs only from --find-links folders: name one with --find-links DIR")
     for folder in getattr(args, "find_links", []):
-        if "://" not in folder and not Path(folder).expanduser().is_dir():
-            raise UsageError(f"--find-links {folder}: no such folder")
+        if "://" not in folder:
+            inputs.existing_folder("--find-links", Path(folder).expanduser())
     if getattr(args, "arch", None):
         arch_options(args.arch)  # an unknown name, or a config.json that is no JSON or cannot be shrunk: before any build
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stackcheck", description=__doc__)
+    parser = inputs.Parser(prog="stackcheck", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    def add_set_options(cmd: argparse.ArgumentParser, many: bool) -> None:
+    def add_set_option(cmd: argparse.ArgumentParser, many: bool, default: str = "the default set") -> None:
+        """`--sets` in every command (`--set`, its older spelling in the commands that run one set, is accepted)."""
         if many:
-            cmd.add_argument("--sets", help="comma-separated set names (default: every set in sets.toml)")
+            cmd.add_argument("--sets", action=inputs.ListOption, help="comma-separated set names, or the option repeated (default: every set in sets.toml)")
+            cmd.add_argument("--set", dest="sets", action=inputs.ListOption, help=argparse.SUPPRESS)
         else:
-            cmd.add_argument("--set", dest="sets", help="set name (default: the default set)")
-            cmd.set_defaults(one_set=True)
+            cmd.add_argument("--sets", dest="sets", action=inputs.OneName, metavar="SET", help=f"the set to run (default: {default})")
+            cmd.add_argument("--set", dest="sets", action=inputs.OneName, help=argparse.SUPPRESS)
+
+    def add_set_options(cmd: argparse.ArgumentParser, many: bool) -> None:
+        add_set_option(cmd, many)
         cmd.add_argument("--with", dest="overrides", action="append", default=[], metavar="PIN", help=PIN_HELP)
         cmd.add_argument("--find-links", action="append", default=[], metavar="DIR", help="extra wheel folder")
         cmd.add_argument("--no-index", action="store_true", help="install only from --find-links folders")
@@ -98,14 +103,15 @@ def _parser() -> argparse.ArgumentParser:
     for name, what in (("matrix", "the CPU lane of every family"), ("gpu-matrix", "the GPU and CPU lanes of every family")):
         matrix = commands.add_parser(name, help=f"run {what} on each set and write the report")
         add_set_options(matrix, many=True)
-        matrix.add_argument("--arch", help=ARCH_HELP)
-        matrix.add_argument("--families", help="comma-separated families (default: all)")
+        matrix.add_argument("--arch", action=inputs.ListOption, help=ARCH_HELP)
+        matrix.add_argument("--families", action=inputs.ListOption, help="comma-separated families (default: all)")
         matrix.add_argument("--results", type=absolute_path, default=DEFAULT_RESULTS, help="matrix.json to write")
         matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
 
     tests = commands.add_parser("tests", help="the harness's own tests plus the CPU lane on one set")
     add_set_options(tests, many=False)
-    tests.add_argument("--arch", help=ARCH_HELP)
+    tests.add_argument("--arch", action=inputs.ListOption,
+                       help=ARCH_HELP.replace("Default: every built-in one", f"Default: {architectures.SEED_ARCHITECTURE} alone"))
     tests.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
 
     versions = commands.add_parser("versions", help="print the resolved pins of each set")
@@ -145,31 +151,30 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--family", help="the family whose tests decide")
     what.add_argument("--test", help="one family test id: tests/families/test_<family>.py::<test>")
     add_set_options(bisect, many=False)
-    bisect.add_argument("--candidates", help="comma-separated releases to search instead of the package index's")
+    bisect.add_argument("--candidates", action=inputs.ListOption, help="comma-separated releases to search instead of the package index's")
     bisect.add_argument("--pre", action="store_true", help="include pre-releases from the package index")
     bisect.add_argument("--git", type=absolute_path, metavar="CLONE", help="search the commits of a local clone between --good and --bad")
     bisect.add_argument("--output", type=absolute_path, help="json to write (default: results/bisect-<package>-<family>.json)")
     bisect.add_argument("--store", type=absolute_path, help=STORE_HELP)
-    bisect.add_argument("--arch", help=ARCH_HELP)
+    bisect.add_argument("--arch", action=inputs.ListOption, help=ARCH_HELP)
 
     history = commands.add_parser("history", help="every release of a package in a range through every family: the compatibility map")
     history.add_argument("package", help="the package to sweep; the others stay pinned to --set")
     history.add_argument("--from", dest="start", metavar="VERSION", help="the oldest release swept (required unless --render-only)")
     history.add_argument("--to", dest="end", metavar="VERSION", help="the newest release swept (required unless --render-only)")
     add_set_options(history, many=False)
-    history.add_argument("--candidates", help="comma-separated releases to sweep instead of the package index's")
+    history.add_argument("--candidates", action=inputs.ListOption, help="comma-separated releases to sweep instead of the package index's")
     history.add_argument("--pre", action="store_true", help="include pre-releases from the package index")
-    history.add_argument("--families", help="comma-separated families (default: all)")
+    history.add_argument("--families", action=inputs.ListOption, help="comma-separated families (default: all)")
     history.add_argument("--gpu", action="store_true", help="both lanes, on a GPU host (default: the CPU lane)")
     history.add_argument("--jobs", type=int, help="probes run side by side (default: one per two cores)")
     history.add_argument("--store", type=absolute_path, help=STORE_HELP)
-    history.add_argument("--arch", help=ARCH_HELP)
+    history.add_argument("--arch", action=inputs.ListOption, help=ARCH_HELP)
     history.add_argument("--output", type=absolute_path, help="the map's json, with .md and .png beside it (default: results/history-<package>.json)")
     history.add_argument("--render-only", action="store_true", help="run nothing: draw the map in --output again")
 
     watch = commands.add_parser("watch", help="gate the newest releases against `latest`; bisect each family that flips")
-    watch.add_argument("--set", dest="sets", help="the recorded set to compare with (default: latest)")
-    watch.set_defaults(one_set=True)
+    add_set_option(watch, many=False, default="latest")  # the recorded set to compare with
     watch.add_argument("--releases", type=absolute_path, metavar="JSON",
                        help="{package: [releases]} to use instead of the package index (an offline or test index)")
     watch.add_argument("--find-links", action="append", default=[], metavar="DIR", help="extra wheel folder")
@@ -180,8 +185,8 @@ def _parser() -> argparse.ArgumentParser:
     gate = commands.add_parser("gate", help="fail when a candidate set regresses a family against a baseline set")
     add_set_options(gate, many=False)  # --set is the baseline; --with bumps the candidate
     gate.add_argument("--candidate", help="candidate set name (default: the baseline set, with the --with pins)")
-    gate.add_argument("--families", help="comma-separated families (default: all)")
-    gate.add_argument("--arch", help=ARCH_HELP)
+    gate.add_argument("--families", action=inputs.ListOption, help="comma-separated families (default: all)")
+    gate.add_argument("--arch", action=inputs.ListOption, help=ARCH_HELP)
     gate.add_argument("--output", type=absolute_path, default=REPO_ROOT / "results" / "gate", help="folder for matrix.json and summary.md")
     gate.add_argument("--bench", choices=("smoke", "tiny", "realistic", "all"),
                       help="also compare the bench of both sets as ratios (smoke runs on the CPU)")
@@ -213,10 +218,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _selected(args) -> list[VersionSet]:
-    names = [n for n in (args.sets or "").split(",") if n] or None
+    names = args.sets.split(",") if args.sets else None
     if args.command == "tests" and names is None:
         names = [default_set().name]
     return resolve(names, args.overrides)
+
+
+def gpu_device(on_the_cpu: str) -> str:
+    """GPU 0's name; without a GPU, one line (exit 2) that names what runs on the CPU instead."""
+    try:
+        return envs.cuda_device()
+    except UsageError as exc:
+        raise UsageError(f"{exc}: {on_the_cpu}") from None
 
 
 def run_matrix(args) -> int:
@@ -226,10 +239,10 @@ def run_matrix(args) -> int:
         results.load_checked(args.results)  # the sets record into it: a corrupt one would fail only after a build
     gpu = args.command == "gpu-matrix"
     if gpu:
-        print(f"== device: {envs.cuda_device()}", flush=True)
+        print(f"== device: {gpu_device('`matrix` runs the CPU lane alone')}", flush=True)
     sets = _selected(args)
     check_ledger()
-    families = [f for f in (args.families or "").split(",") if f] or None
+    families = args.families.split(",") if args.families else None
     targets = family_targets(families)
     lanes = ["gpu", "cpu"] if gpu else ["cpu"]
     args.results.parent.mkdir(parents=True, exist_ok=True)
@@ -290,7 +303,7 @@ def run_bench(args) -> int:
         raise UsageError(f"--repeat {args.repeat}: a coefficient of variation needs N >= 2 measurements")
     size = args.size or ("tiny" if args.smoke else "all")
     if not (args.smoke or args.render_only):
-        print(f"== device: {envs.cuda_device()}", flush=True)  # no GPU: one line and exit 2; --smoke runs on the CPU
+        print(f"== device: {gpu_device('`bench --smoke` runs on the CPU')}", flush=True)
     args.results.mkdir(parents=True, exist_ok=True)
     failed = [] if args.render_only else [v.name for v in sets if not bench_set(
         v, size, args.results, args.find_links, args.no_index, args.repeat, args.smoke, args.pytest_args)]
@@ -328,10 +341,58 @@ def run_wheelhouse(args) -> int:
     return 0
 
 
+# Where each command keeps what it finished, named when Ctrl-C stops it: (what, the option naming the place).
+KEPT = {
+    "matrix": [("finished cells", "results")], "gpu-matrix": [("finished cells", "results")],
+    "bench": [("each finished set's benchmarks", "results")], "wheelhouse": [("the downloaded wheels", "dest")],
+    "gate": [("finished cells", "output")], "repro": [("finished exports", "output")],
+    "bisect": [("finished probes", "output"), ("finished probes", "store")],
+    "history": [("finished probes", "store")], "watch": [("finished probes", "store"), ("finished bisects", "output")],
+}
+DEFAULT_PLACES = {"store": REPO_ROOT / "results" / "probes.json"}
+
+
+def kept_after_interrupt(args) -> str:
+    """The one line Ctrl-C leaves: what the interrupted command kept, and where (results are written as they finish)."""
+    places = []
+    for what, option in KEPT.get(getattr(args, "command", None), []):
+        place = getattr(args, option, None) or DEFAULT_PLACES.get(option)
+        if option == "output" and args.command == "bisect" and place is None:
+            place = bisect.default_output(args.package.lower(), args.family or "", args.test)
+        if place is None or not Path(place).exists():
+            continue
+        if Path(place).suffix == ".json" and what == "finished cells":
+            try:
+                what = f"{len(results.load(Path(place))['cells'])} finished cells"
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        places.append(f"{what} are kept in {place}")
+    if not places:
+        return "nothing was recorded"
+    return "; ".join(places) + " (a run started again goes on from them)" * (args.command in ("bisect", "history", "watch"))
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Every command: its exit code, 2 on a usage error (one line). Ctrl-C is one line saying what was kept, and exit
+    130; a reader that stops reading (`doctor --json | head`) ends the command quietly with 141, as SIGPIPE would."""
     argv = sys.argv[1:] if argv is None else argv
-    args = _parser().parse_args(argv)
+    parsed: list = []
     try:
+        code = _main(argv, parsed)
+        sys.stdout.flush()  # a reader gone away is found here, not in the interpreter's own flush at exit
+        return code
+    except KeyboardInterrupt:
+        print(f"stackcheck: interrupted; {kept_after_interrupt(parsed[0] if parsed else None)}", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more reaches the closed pipe
+        return 141
+
+
+def _main(argv: list[str], parsed: list) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        parsed.append(args)
         check_checkout(args.command)
         check_common_options(args)
         if args.command in ("matrix", "gpu-matrix"):
@@ -347,7 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return run_bench(args)
         if args.command == "refresh-latest":
-            print(refresh_latest())
+            known = load_sets()[0]
+            before = {package: str(pin) for package, pin in known["latest"].pins.items()} if "latest" in known else {}
+            newest = refresh_latest()
+            print("latest: " + ", ".join(f"{package} {version}" + (f" (was {before[package]})" if before.get(package) != version else "")
+                                         for package, version in newest.items()))
             return 0
         if args.command == "bisect":
             for option, path in (("--output", args.output), ("--store", args.store)):
@@ -364,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
             return watch_module.run(args)
         if args.command == "gate":
             check_folder_option("--output", args.output)
+            if args.bench and args.bench != "smoke":
+                gpu_device("`gate --bench smoke` runs on the CPU")
             return gate.run(args)
         if args.command == "doctor":
             return doctor.run(args)

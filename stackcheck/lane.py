@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib.util
 import json
 import os
@@ -33,7 +34,9 @@ CPU_LANE = lanes_option(("cpu",))
 
 
 ARCH_HELP = ("architectures under test: built-in names (gemma4 and fixtures/architectures/*.json), comma-separated, or a "
-             "path to a config.json (shrunk to a tiny model of the same structure; no weights needed). Default: every built-in one")
+             "path to a config.json or to a folder with one, a Hub snapshot (shrunk to a tiny model of the same structure; "
+             "no weights needed). Default: every built-in one")
+ARCH_OPTION = "--stackcheck-arch="
 
 
 def arch_options(spec: str | None) -> list[str]:
@@ -54,7 +57,45 @@ def arch_options(spec: str | None) -> list[str]:
         for arch in own:
             if arch.model_type not in CONFIG_MAPPING:
                 raise UsageError(f"--arch {arch.source}: model_type '{arch.model_type}' is not one this transformers can build")
-    return ["--stackcheck-arch=" + ",".join(a.source if a in own else a.name for a in chosen)]
+    return [ARCH_OPTION + ",".join(a.source if a in own else a.name for a in chosen)]
+
+
+# Run in a set's environment: its transformers' version and the model types it builds.
+MODEL_TYPES_CODE = ("import json, transformers; from transformers import CONFIG_MAPPING; "
+                    "print(json.dumps([transformers.__version__, sorted(CONFIG_MAPPING.keys())]))")
+MODEL_TYPES_FILE = "stackcheck-model-types.json"  # beside a set's environment, which never changes once built
+
+
+def transformers_model_types(python: Path) -> tuple[str, set[str]] | None:
+    """(version, model types) of the transformers in `python`'s environment, asked once per stackcheck environment
+    (it imports torch: seconds); None where it cannot be asked (the set's cells then say what happens)."""
+    cache = python.parent.parent / MODEL_TYPES_FILE
+    if cache.is_file():
+        version, model_types = json.loads(cache.read_text())
+        return version, set(model_types)
+    found = subprocess.run([str(python), "-c", MODEL_TYPES_CODE], capture_output=True, text=True, cwd=REPO_ROOT)
+    try:
+        version, model_types = json.loads(found.stdout)
+    except ValueError:
+        return None
+    if envs.ENVS_DIR in python.parents:
+        cache.write_text(json.dumps([version, model_types]))
+    return version, set(model_types)
+
+
+def check_model_types(python: Path, vset: VersionSet, options: list[str]) -> None:
+    """The `model_type` of each config of the user's under test is one the set's transformers builds: else one line
+    (UsageError) before pytest starts, where a host without transformers could not tell (`arch_options`)."""
+    spec = next((option.removeprefix(ARCH_OPTION) for option in options if option.startswith(ARCH_OPTION)), None)
+    builtin = architectures.builtin()
+    own = [a for a in architectures.resolve(spec) if builtin.get(a.name) != a] if spec else []
+    known = transformers_model_types(python) if own else None
+    for arch in own if known else []:
+        version, model_types = known
+        if arch.model_type not in model_types:
+            close = difflib.get_close_matches(arch.model_type, model_types, n=1)
+            raise UsageError(f"--arch {arch.source}: model_type '{arch.model_type}' is not one transformers {version} (set "
+                             f"{vset.name}) can build" + (f"; did you mean '{close[0]}'?" if close else ""))
 
 
 def lane_args(lanes: tuple[str, ...]) -> list[str]:
@@ -68,6 +109,7 @@ def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[s
     """`baseline`: the set of this run whose trained adapter this set loads (stackcheck.exchange); `env`:
     variables added to the process's environment."""
     # A family module that fails to import gets error cells; the other families still run.
+    check_model_types(python, vset, extra)
     command = [str(python), "-m", "pytest", *targets, f"--stackcheck-set={vset.name}", "--continue-on-collection-errors",
                "-p", "stackcheck.progress_plugin", *extra]
     if results_path:

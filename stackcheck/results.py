@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -63,17 +64,38 @@ def load(path: Path) -> dict:
 
 @contextmanager
 def _locked(path: Path):
-    from filelock import FileLock  # a dependency of torch and huggingface_hub, so always in the env
-
+    """Exclusive use of the results files in `path`'s folder, between processes (the matrix's pytest workers, two
+    runs into one file). The lock is the folder's own (flock): no `.lock` file is left behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(folder)  # releases the lock
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# The mode a new file gets from open(): 0666 less the umask, read once (os.umask can only be read by setting it).
+NEW_FILE_MODE = 0o666 & ~_umask()
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all. The file keeps its mode; a new one gets the umask's, as open() would give
+    (a temporary file is created 0600)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        mode = NEW_FILE_MODE
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
+        os.fchmod(handle.fileno(), mode)
     os.replace(tmp, path)
 
 

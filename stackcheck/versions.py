@@ -82,29 +82,36 @@ def _check_package(package: str, token: str) -> str:
     return name
 
 
+# NAME, then how it is pinned: `==` a release, `@` a URL, `=` a path; the other comparisons name ranges, never one release.
+PIN = re.compile(r"\s*(?P<package>[A-Za-z0-9][A-Za-z0-9._-]*)\s*(?P<operator>===|==|~=|!=|<=|>=|<|>|=|@)\s*(?P<rest>.*?)\s*")
+RANGE_OPERATORS = ("===", "~=", "!=", "<=", ">=", "<", ">")
+
+
 def parse_pin(token: str) -> Pin:
-    """Parse one override token; see PIN_HELP."""
-    if "==" in token:
-        package, version = token.split("==", 1)
-        try:
-            Version(version)
-        except InvalidVersion:
-            raise UsageError(f"bad pin '{token}': '{version}' is not a valid version") from None
-        return Pin(_check_package(package, token), version=version)
-    if "@" in token and "=" not in token.split("@", 1)[0]:
-        package, url = (part.strip() for part in token.split("@", 1))
-        if not re.match(r"^(git\+)?(https?|file|ssh)://", url):
+    """Parse one override token; see PIN_HELP. The package is checked first, whatever follows it."""
+    match = PIN.fullmatch(token)
+    if not match or not match["rest"]:
+        bare = re.fullmatch(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*", token)
+        example = f"{bare[1]}==VERSION" if bare else "peft==0.19.1"
+        raise UsageError(f"bad pin '{token}': expected {PIN_HELP}, e.g. {example}")
+    package, operator, rest = _check_package(match["package"], token), match["operator"], match["rest"]
+    if operator in RANGE_OPERATORS:
+        meant = f" ({package}=={rest} pins that release)" if operator in (">=", "~=", "===") and _is_version(rest) else ""
+        raise UsageError(f"bad pin '{token}': a pin names one release, {package}==VERSION, not a range or an exclusion{meant}")
+    if operator == "==":
+        if not _is_version(rest):
+            raise UsageError(f"bad pin '{token}': '{rest}' is not a valid version")
+        return Pin(package, version=rest)
+    if operator == "@":
+        if not re.match(r"^(git\+)?(https?|file|ssh)://", rest):
             raise UsageError(f"bad pin '{token}': expected a URL such as git+https://github.com/org/repo@ref")
-        return Pin(_check_package(package, token), url=url)
-    if "=" in token:
-        package, path = token.split("=", 1)
-        location = Path(path).expanduser().resolve()
-        if not location.exists():
-            meant = f" (a release is {package}=={path})" if _is_version(path) else ""
-            raise UsageError(f"bad pin '{token}': NAME=PATH names a file or folder, and {location} does not exist{meant}; "
-                             f"a pin is {PIN_HELP}")
-        return Pin(_check_package(package, token), url=location.as_uri())
-    raise UsageError(f"bad pin '{token}': expected {PIN_HELP}")
+        return Pin(package, url=rest)
+    location = Path(rest).expanduser().resolve()
+    if not location.exists():
+        meant = f" (a release is {package}=={rest})" if _is_version(rest) else ""
+        raise UsageError(f"bad pin '{token}': NAME=PATH names a file or folder, and {location} does not exist{meant}; "
+                         f"a pin is {PIN_HELP}")
+    return Pin(package, url=location.as_uri())
 
 
 def _is_version(text: str) -> bool:
@@ -115,16 +122,45 @@ def _is_version(text: str) -> bool:
     return True
 
 
+# What a set's table may hold beside its pins (PACKAGES).
+SET_KEYS = ("description", "refreshed")
+
+
 def load_sets(path: Path = SETS_FILE) -> tuple[dict[str, VersionSet], str]:
-    data = tomllib.loads(path.read_text())
+    """The sets of sets.toml and its default set. A file that is no TOML, a duplicate table, a key that is no
+    package, a version that is no string or no version, or a default that names no set: one line (UsageError)."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path} is not valid TOML: {exc}") from None
+    if not isinstance(data.get("sets"), dict) or not data["sets"]:
+        raise UsageError(f"{path} has no [sets.NAME] table")
     sets = {}
     for name, entry in data["sets"].items():
-        pins = {pkg: parse_pin(f"{pkg}=={entry[pkg]}") for pkg in PACKAGES if pkg in entry}
+        where = f"{path}: [sets.{name}]"
+        if not isinstance(entry, dict):
+            raise UsageError(f"{where} is not a table of pins")
+        unknown = [key for key in entry if key not in (*PACKAGES, *SET_KEYS)]
+        if unknown:
+            raise UsageError(f"{where}: unknown key(s) {', '.join(unknown)} (a set pins {', '.join(PACKAGES)}; "
+                             f"it may have {', '.join(SET_KEYS)})")
+        texts = [key for key, value in entry.items() if not isinstance(value, str)]
+        if texts:
+            raise UsageError(f"{where}: {', '.join(texts)} must be a string, as in {texts[0]} = \"1.0.0\"")
+        try:
+            pins = {pkg: parse_pin(f"{pkg}=={entry[pkg]}") for pkg in PACKAGES if pkg in entry}
+        except UsageError as exc:
+            raise UsageError(f"{where}: {exc}") from None
         missing = [lib for lib in LIBRARIES if lib not in pins]
         if missing:
             raise UsageError(f"set '{name}' in {path.name} does not pin {', '.join(missing)}")
         sets[name] = VersionSet(name, pins, entry.get("description", ""))
-    return sets, data["default"]
+    default = data.get("default")
+    if default not in sets:
+        raise UsageError(f"{path}: default = {default!r} names no set (its sets: {', '.join(sets)})")
+    return sets, default
 
 
 def resolve(names: list[str] | None = None, overrides: list[str] | None = None) -> list[VersionSet]:

@@ -115,6 +115,7 @@ def _truncate_rope_factors(rope: dict | None, rotary_half: int) -> None:
 
 
 def _shrink_text(text: dict, where: str) -> dict:
+    _refuse_missing_sizes(text, REQUIRED_TEXT_SIZES, where)
     text = dict(text)
     heads, kv_heads = text.get("num_attention_heads"), text.get("num_key_value_heads")
     for key, size in TEXT_SIZES.items():
@@ -164,6 +165,7 @@ def _shrink_text(text: dict, where: str) -> dict:
 
 
 def _shrink_tower(tower: dict, where: str) -> dict:
+    _refuse_missing_sizes(tower, REQUIRED_TOWER_SIZES, where)
     tower = dict(tower)
     for key, size in TOWER_SIZES.items():
         if key in tower:
@@ -175,6 +177,19 @@ def _shrink_tower(tower: dict, where: str) -> dict:
             tower[key] = 2
     _refuse_unknown_sizes(tower, TOWER_SIZES, where)
     return tower
+
+
+# The sizes a config must state for the rule to shrink them: a missing one would be transformers' default, the
+# full-size model's (a `{"model_type": "llama"}` builds 7B-wide layers). Towers: the width.
+REQUIRED_TEXT_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+REQUIRED_TOWER_SIZES = ("hidden_size",)
+
+
+def _refuse_missing_sizes(config: dict, required: tuple[str, ...], where: str) -> None:
+    missing = [key for key in required if not isinstance(config.get(key), int) or isinstance(config.get(key), bool)]
+    if missing:
+        raise ArchitectureError(f"{where}: cannot be shrunk: it does not state {', '.join(missing)}, so transformers' "
+                                "full-size default would be built; write the sizes of the model into it")
 
 
 def _refuse_unknown_sizes(config: dict, known: dict, where: str) -> None:
@@ -222,6 +237,8 @@ def _read_config(path: Path) -> dict:
         config = json.loads(path.read_text())
     except FileNotFoundError:
         raise ArchitectureError(f"--arch {path}: no such file") from None
+    except IsADirectoryError:
+        raise ArchitectureError(f"--arch {path} is a folder without a config.json") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ArchitectureError(f"--arch {path}: not JSON ({exc})") from None
     if not isinstance(config, dict):
@@ -251,7 +268,10 @@ def builtin() -> dict[str, Architecture]:
 
 
 def user_architecture(path: Path) -> Architecture:
-    """A user's own config.json, shrunk; named after its folder (a Hub snapshot's) or its file."""
+    """A user's own config.json, shrunk; named after its folder (a Hub snapshot's) or its file. A folder stands
+    for its config.json: a Hub snapshot is one."""
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
     stem = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
     name = re.sub(r"\W+", "_", stem).strip("_").lower() or "custom"
     if name in builtin():
@@ -260,19 +280,24 @@ def user_architecture(path: Path) -> Architecture:
 
 
 def resolve(spec: str | None) -> list[Architecture]:
-    """`--arch NAME[,NAME]` or `--arch path/to/config.json`; every built-in architecture when None."""
-    if not spec:
+    """`--arch NAME[,NAME]`, `--arch path/to/config.json` or `--arch path/to/snapshot` (a folder with a config.json);
+    every built-in architecture when None. No item is empty, and no two name the same architecture (their cells
+    would be one)."""
+    if spec is None:
         return list(builtin().values())
     chosen = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
-            continue
+            raise ArchitectureError(f"--arch {spec!r} has an empty item: separate names with single commas")
         if item in builtin():
             chosen.append(builtin()[item])
-        elif item.endswith(".json") or "/" in item:
+        elif item.endswith(".json") or "/" in item or Path(item).expanduser().is_dir():
             chosen.append(user_architecture(Path(item).expanduser().resolve()))
         else:
-            raise ArchitectureError(f"--arch: unknown architecture '{item}' (built in: {', '.join(builtin())}; or a path to a config.json)")
-    if not chosen:
-        raise ArchitectureError("--arch: no architecture named")
+            raise ArchitectureError(f"--arch: unknown architecture '{item}' (built in: {', '.join(builtin())}; or a path to a "
+                                    "config.json or to a folder with one)")
+    names = [arch.name for arch in chosen]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ArchitectureError(f"--arch {spec}: names the architecture {', '.join(repeated)} more than once")
     return chosen

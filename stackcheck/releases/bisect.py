@@ -14,8 +14,8 @@ side has flipped: it runs again, and a probe whose two runs disagree is flaky, h
 
 Probes run whole families and go to the probe store `history` fills (stackcheck.releases.probes), and a
 candidate the store already holds (same environment, family definitions and platform) is answered from
-it: a bisect over a range that `history` swept runs nothing. A stored probe ran once, so its re-run
-replays it; the flake check holds for probes run by this bisect.
+it: a bisect over a range that `history` swept runs only the flake checks. A flipped probe's second run is
+always run anew, never answered from the store (which holds its first run, or an earlier one).
 """
 
 from __future__ import annotations
@@ -145,9 +145,10 @@ def _untestable_reason(cells: list[dict], expected_tests: set[str] | None) -> st
 class Bisection:
     """One bisect run: probes candidates through `run_cells` and writes `record` to `output` after each."""
 
-    def __init__(self, candidates: list[Candidate], good_is_newer: bool, run_cells: Callable[[Candidate], list[dict]],
+    def __init__(self, candidates: list[Candidate], good_is_newer: bool, run_cells: Callable[[Candidate, int], list[dict]],
                  record: dict, output: Path | None = None, signatures: bool = False):
-        """`signatures`: a changed signature is a flip too (not only a changed verdict or bug)."""
+        """`run_cells(candidate, run)`: the cells of a probe's run 1, or of its re-run (2), which must really run;
+        `signatures`: a changed signature is a flip too (not only a changed verdict or bug)."""
         self.candidates, self.good_is_newer, self.run_cells, self.output = candidates, good_is_newer, run_cells, output
         self.signatures = signatures
         self.good_outcome: tuple | None = None
@@ -167,7 +168,7 @@ class Bisection:
 
     def _probe(self, candidate: Candidate, run: int) -> Probe:
         started = time.monotonic()
-        cells = [{k: c.get(k) for k in ("test", "verdict", "bug", "signature")} for c in self.run_cells(candidate)]
+        cells = [{k: c.get(k) for k in ("test", "verdict", "bug", "signature")} for c in self.run_cells(candidate, run)]
         reason = _untestable_reason(cells, self.good_tests)
         if reason:
             side = UNTESTABLE
@@ -288,9 +289,9 @@ def run(args) -> int:
     store = ProbeStore(args.store or DEFAULT_STORE)
     prober = Prober(store, args.find_links, args.no_index, options=tuple(lane.arch_options(args.arch)))
 
-    def run_cells(candidate: Candidate) -> list[dict]:
+    def run_cells(candidate: Candidate, run: int) -> list[dict]:
         (vset,) = resolve([base.name], [*args.overrides, candidate.pin])
-        cells = prober.probe(candidate.label, vset, [family]).cells
+        cells = prober.probe(candidate.label, vset, [family], fresh=run > 1).cells  # a flake check runs again
         return [c for c in cells if not test or test.names(c["test"])]
 
     record = Bisection(candidates, good_is_newer, run_cells, record, output).run()

@@ -140,10 +140,11 @@ class Prober:
         envs.build(vset, self.find_links, self.no_index)
 
     def probe(self, label: str, vset: VersionSet, families: list[str], concurrent: int = 1,
-              environment: float | None = None, env: dict[str, str] | None = None) -> Probe:
+              environment: float | None = None, env: dict[str, str] | None = None, fresh: bool = False) -> Probe:
         """`environment`: the seconds its environment took when `build` made it ahead of the probe; `env`:
-        variables for its pytest process (stackcheck.progress)."""
-        stored = self.stored(label, vset, families)
+        variables for its pytest process (stackcheck.progress); `fresh`: run it even when the store holds it (a
+        flake check: the store would answer with the run being checked)."""
+        stored = None if fresh else self.stored(label, vset, families)
         if stored is not None:
             print(f"== probe {label}: from {self.store.path.name} (same environment, family definitions and platform)", flush=True)
             return stored

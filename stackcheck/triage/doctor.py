@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from packaging.specifiers import Specifier
 
-from stackcheck import REPO_ROOT, hostinfo
+from stackcheck import REPO_ROOT, hostinfo, inputs
 from stackcheck.ledger import Bug, Ledger
 from stackcheck.models import architectures
 from stackcheck.versions import CURRENT_SET, LIBRARIES, UsageError, installed_versions
@@ -101,6 +101,7 @@ def versions_of(python: str | None) -> dict[str, str]:
     """The installed versions of this interpreter, or of the interpreter at `python`."""
     if python is None:
         return installed_versions()
+    inputs.interpreter("--python", python)
     code = "import json; from stackcheck.versions import installed_versions; print(json.dumps(installed_versions()))"
     try:
         completed = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30,

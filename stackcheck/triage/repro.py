@@ -155,7 +155,17 @@ def _expected(cell: Cell) -> str:
     return text.split("\n\n", 1)[0].replace("\n", " ")
 
 
-def write_issue(folder: Path, cell: Cell, versions: dict, platform: dict, ledger: Ledger, trace: str, reproduced: bool) -> None:
+def model_built(script: str, arch: dict | None) -> str:
+    """What the script builds, in the words of issue.md: the architecture under test, or the seed's tiny Gemma 4."""
+    if arch:
+        model_class = (arch["config"].get("architectures") or ["AutoModelForCausalLM"])[0]
+        return f": it builds a tiny random {model_class} (`{arch['name']}`, shrunk from {arch['source']}) from its config, no network"
+    return ": it builds a tiny random Gemma 4 from its config, no network" if "FIXTURES = " in script else ""
+
+
+def write_issue(folder: Path, cell: Cell, versions: dict, platform: dict, ledger: Ledger, trace: str, reproduced: bool,
+                arch: dict | None = None) -> None:
+    """`arch`: the architecture under test, as the script has it (None: the test builds no model of one)."""
     bug = ledger.bugs.get(cell.bug) if cell.bug else None
     script = (folder / "repro.py").read_text()
     title = (bug.summary.split(". ")[0] if bug else f"{cell.function}: {cell.failure}")[:150]
@@ -166,8 +176,7 @@ def write_issue(folder: Path, cell: Cell, versions: dict, platform: dict, ledger
              "## Expected", "", _expected(cell), "",
              "## Actual", "", f"```\n{cell.failure}\n```", "",
              f"The standalone script below {'reproduces it' if reproduced else 'did NOT reproduce it when stackcheck ran it'} "
-             "(`python repro.py`" + (": it builds a tiny random Gemma 4 from its config, no network" if "FIXTURES = " in script else "")
-             + ").", "",
+             "(`python repro.py`" + model_built(script, arch) + ").", "",
              "## Trace (tail)", "", "```", *trace[trace.rfind("Traceback (most recent call last)"):].strip().splitlines()[-TRACE_TAIL_LINES:],
              "```", "",
              "## Where the evidence points", "", blamed_library(cell, ledger, trace), ""]
@@ -203,7 +212,7 @@ def export(cell: Cell, cell_set: VersionSet, python: Path, output: Path, recorde
     said = re.findall(r"^REPRODUCED (.*)$", trace, re.M)
     reproduced = bool(said) and said[-1].strip()[:200] == cell.failure.strip()[:200]
     detail = "reproduced" if reproduced else f"NOT reproduced: the script ended with {said[-1] if said else trace.strip().splitlines()[-1:] or 'no output'}"
-    write_issue(folder, cell, recorded.get("versions", {}), recorded.get("platform", {}), ledger, trace, reproduced)
+    write_issue(folder, cell, recorded.get("versions", {}), recorded.get("platform", {}), ledger, trace, reproduced, wanted["arch"])
     return Outcome(cell, folder, reproduced, detail)
 
 
@@ -219,13 +228,19 @@ def run(args) -> int:
     recorded_sets = results.load_checked(args.source)["sets"] if args.source else {}
     if args.test and args.sets and "," in args.sets:
         raise UsageError("--test runs on one set: name it with --sets SET")
+    if args.source and args.overrides:  # its cells were recorded on their sets' pins, and are reproduced on them
+        raise UsageError("--with pins the set of --test; a results file's cells are reproduced on the pins they were recorded "
+                         "with (to see them on another pin: matrix --sets SET --with PIN, then repro --from its results)")
     names = sorted({c.set_name for c in cells}) if cells else [args.sets or default_set().name]
+    sets = {name: resolve([name], args.overrides)[0] if cells is None else version_set(name) for name in names}  # pins checked before any build
     outcomes = []
     for name in names:
-        cell_set = version_set(name)
+        cell_set = sets[name]
+        print(f"== repro: set {cell_set.name}: its environment", flush=True)
         python = envs.build(cell_set, args.find_links, args.no_index)
         if cells is None:
             args.output.mkdir(parents=True, exist_ok=True)
+            print(f"== repro: running {test.text} in set {cell_set.name} for its cells", flush=True)
             chosen = run_cells(python, cell_set, test, args.output)
             recorded = json.loads(subprocess.run([str(python), "-c", FACTS_CODE], cwd=REPO_ROOT, capture_output=True, text=True).stdout)
         else:
@@ -239,6 +254,7 @@ def run(args) -> int:
             if cell.verdict not in FAILING:
                 outcomes.append(Outcome(cell, args.output, False, f"not exported: the cell is {cell.verdict}, not failing"))
                 continue
+            print(f"== repro: {cell.test}: cutting repro.py and running it in set {cell_set.name}", flush=True)
             outcomes.append(export(cell, cell_set, python, args.output, recorded, ledger))
             print(f"{cell.set_name} {cell.test}: {outcomes[-1].detail} -> {outcomes[-1].folder}", flush=True)
     for outcome in outcomes:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, hostinfo
+from stackcheck import REPO_ROOT, hostinfo, inputs
 from stackcheck.ledger import Ledger
 from stackcheck.models import architectures, footprint
 from stackcheck.triage import doctor
@@ -52,24 +54,41 @@ def read_json_option(option: str, text: str | None):
     if text is None:
         return None
     source = Path(text).expanduser()
-    if source.suffix == ".json" and not source.is_file():
-        raise UsageError(f"{option} {text}: no such file")
+    if source.suffix == ".json":
+        inputs.existing_file(option, source)
     try:
-        return json.loads(source.read_text() if source.suffix == ".json" and source.is_file() else text)
-    except (json.JSONDecodeError, OSError) as exc:
+        return json.loads(source.read_text() if source.suffix == ".json" else text)
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
         raise UsageError(f"{option}: not JSON ({exc})") from None
 
 
 def read_folder(option: str, folder: Path, file_name: str) -> dict:
-    path = folder / file_name
-    if not folder.is_dir():
-        raise UsageError(f"{option} {folder}: no such folder")
+    """The JSON object `file_name` in the folder `option` names."""
+    path = inputs.existing_folder(option, folder) / file_name
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise UsageError(f"{option} {folder}: it has no {file_name}") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: not a {file_name} (a JSON object)")
+    return data
+
+
+PROGRESS = {"stream": sys.stdout}
+
+
+def progress(step: str) -> None:
+    """What the scan is doing (the libraries' imports and the build on meta take 10 to 30 s), in `== ` lines before
+    the report as every command prints them; on stderr with --json, whose stdout is the JSON alone."""
+    print(f"== scan: {step}", file=PROGRESS["stream"], flush=True)
+
+
+def failed(what: str, exc: Exception) -> UsageError:
+    """A library refusing what the user gave it (a config it cannot build, sizes whose tensors overflow): one line."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return UsageError(f"{what} ({type(exc).__name__}: {first[:300]})")
 
 
 def build_on_meta(model_dir: Path, config_data: dict):
@@ -82,9 +101,12 @@ def build_on_meta(model_dir: Path, config_data: dict):
     except (ValueError, KeyError, OSError) as exc:
         raise UsageError(f"{model_dir}/config.json: transformers cannot read it ({exc})") from None
     architecture = (config_data.get("architectures") or [None])[0]
-    model_class = getattr(transformers, architecture, None) if architecture else None
-    with torch.device("meta"):
-        model = model_class(config) if model_class else transformers.AutoModel.from_config(config)
+    model_class = getattr(transformers, architecture, None) if isinstance(architecture, str) else None
+    try:
+        with torch.device("meta"):
+            model = model_class(config) if model_class else transformers.AutoModel.from_config(config)
+    except Exception as exc:  # its sizes overflow a tensor, a value of the wrong type: the config, not the scan
+        raise failed(f"{model_dir}/config.json: transformers cannot build the model on meta", exc) from None
     return model, type(model).__name__
 
 
@@ -102,11 +124,34 @@ def quantize_on_meta(model, quantization: dict, device_map: dict | None):
         raise UsageError(f"--quantization: BitsAndBytesConfig has no {', '.join(map(repr, unknown))} (it takes {', '.join(known)})")
     try:
         config = BitsAndBytesConfig(**quantization)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, AttributeError) as exc:  # AttributeError: a compute dtype torch does not have
         raise UsageError(f"--quantization: not a BitsAndBytesConfig ({exc})") from None
-    quantizer = AutoHfQuantizer.from_config(config, pre_quantized=False)
-    quantizer.preprocess_model(model, device_map=device_map)
+    check_bitsandbytes_takes(config)
+    try:
+        quantizer = AutoHfQuantizer.from_config(config, pre_quantized=False)
+        quantizer.preprocess_model(model, device_map=device_map)
+    except Exception as exc:  # the quantizer refusing this config on this model (sizes, skip modules of the wrong type)
+        raise failed("--quantization: transformers' quantizer cannot prepare the model with it", exc) from None
     return quantizer
+
+
+def check_bitsandbytes_takes(config) -> None:
+    """bitsandbytes itself quantizes one small weight the way `from_pretrained` will quantize each of the model's
+    layers (Linear4bit's Params4bit, moved to a device): BitsAndBytesConfig keeps what it is given, so a 4-bit
+    type bitsandbytes does not have (`nf5`) would otherwise show only when the weights load."""
+    if not config.load_in_4bit:
+        return
+    import bitsandbytes as bnb
+    import torch
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its kernels' deprecation notes: not the user's concern
+            weight = bnb.nn.Params4bit(torch.zeros(64, 64, dtype=torch.bfloat16), requires_grad=False, quant_type=config.bnb_4bit_quant_type,
+                                       compress_statistics=config.bnb_4bit_use_double_quant, quant_storage=config.bnb_4bit_quant_storage)
+            weight.to("cpu")
+    except Exception as exc:
+        raise failed("--quantization: bitsandbytes refuses it", exc) from None
 
 
 def module_device(name: str, device_map: dict) -> object:
@@ -184,14 +229,26 @@ def rejected_by_peft(module, lora_config) -> str | None:
     return None
 
 
-def check_lora_targets(scan: Scan, model, adapter_config: dict) -> None:
+def check_adapter_weights(scan: Scan, adapter: Path) -> None:
+    """The adapter's weights, under the names PEFT loads them from: a folder with only its config loads nothing."""
+    from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
+
+    if not any((adapter / name).is_file() for name in (SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME)):
+        scan.add("adapter_weights_missing", f"{adapter} has no {SAFETENSORS_WEIGHTS_NAME} or {WEIGHTS_NAME}: "
+                 "PeftModel.from_pretrained cannot load it (its targets were checked from adapter_config.json alone)")
+
+
+def check_lora_targets(scan: Scan, model, adapter_config: dict, adapter: Path) -> None:
     import torch
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
 
     fields = {k: v for k, v in adapter_config.items() if k in ("r", "target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")}
-    lora_config = LoraConfig(**fields)
-    hits = {name: module for name, module in model.named_modules() if name and check_target_module_exists(lora_config, name)}
+    try:  # PEFT keeps values of the wrong type and fails on them only when it matches targets: both are asked here
+        lora_config = LoraConfig(**fields)
+        hits = {name: module for name, module in model.named_modules() if name and check_target_module_exists(lora_config, name)}
+    except Exception as exc:
+        raise failed(f"{adapter}/adapter_config.json: PEFT cannot use it", exc) from None
     scan.lora_targets = dict(Counter(type(m).__name__ for m in hits.values()))
     first_of_type = {}
     for name, module in hits.items():
@@ -226,6 +283,7 @@ def check_kv_sharing(scan: Scan, model, device_map: dict | None) -> None:
 
 def run_in(python: str, argv: list[str]) -> int:
     """The same scan in the interpreter at `python` (an environment's, as `doctor --python`), which has the libraries."""
+    progress(f"running in {python}, which has the libraries")
     try:
         return subprocess.run([python, "-m", "stackcheck", *argv],
                               env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), **{IN_PYTHON_ENV: python})).returncode
@@ -235,9 +293,7 @@ def run_in(python: str, argv: list[str]) -> int:
 
 def run(args, argv: list[str]) -> int:
     """The `scan` command: 1 when it finds a problem or a known bug affects the install, 0 otherwise."""
-    if args.python and os.environ.get(IN_PYTHON_ENV) != args.python:
-        return run_in(args.python, argv)
-    config_data = read_folder("MODEL", args.model, "config.json")
+    config_data = read_folder("MODEL", args.model, "config.json")  # checked here, before another interpreter starts
     adapter_config = read_folder("ADAPTER", args.adapter, "adapter_config.json") if args.adapter else None
     device_map = read_json_option("--device-map", args.device_map)
     max_memory = read_json_option("--max-memory", args.max_memory)
@@ -245,8 +301,13 @@ def run(args, argv: list[str]) -> int:
     for option, value in (("--device-map", device_map), ("--max-memory", max_memory), ("--quantization", quantization)):
         if value is not None and not isinstance(value, dict):
             raise UsageError(f"{option}: expected a JSON object, got {type(value).__name__}")
+    PROGRESS["stream"] = sys.stderr if args.json else sys.stdout
+    if args.python and os.environ.get(IN_PYTHON_ENV) != args.python:
+        return run_in(inputs.interpreter("--python", args.python), argv)
     versions, cpu_flags = installed_versions(), hostinfo.cpu_facts()["cpu_flags"]
     doctor.require_stack(versions, args.python, "name the Python of the environment that loads the model with --python")
+    progress(f"building {config_data.get('model_type', 'the model')} from {args.model / 'config.json'} on the meta device "
+                   f"with transformers {versions['transformers']} (no weights are read)")
     model, architecture = build_on_meta(args.model, config_data)
     # The known bugs this architecture can have: its model type's, and those of families its structures let run.
     arch = (model.config.model_type, architectures.structures(model.config))
@@ -261,9 +322,12 @@ def run(args, argv: list[str]) -> int:
     if device_map:
         check_device_map(scan, model, device_map)
     if quantization is not None:
+        progress("quantizing it on meta as from_pretrained would")
         check_quantization(scan, model, quantize_on_meta(model, quantization, device_map), device_map, scan.known_bugs)
     if adapter_config is not None:
-        check_lora_targets(scan, model, adapter_config)
+        progress("asking PEFT about the adapter's targets")
+        check_adapter_weights(scan, args.adapter)
+        check_lora_targets(scan, model, adapter_config, args.adapter)
     check_kv_sharing(scan, model, device_map)
     checked = ["the model", *(["adapter"] if args.adapter else []), *(["options"] if device_map or quantization is not None else [])]
     print(json.dumps(asdict(scan), indent=2) if args.json else render(scan, versions, checked))

@@ -48,7 +48,7 @@ def scripted(outcomes):
     """A probe runner that returns the cells scripted per label; a list gives one answer per run."""
     calls = []
 
-    def run_cells(candidate):
+    def run_cells(candidate, run=1):
         calls.append(candidate.label)
         cells = outcomes[candidate.label]
         return [dict(c) for c in (cells.pop(0) if isinstance(cells, list) and isinstance(cells[0], list) else cells)]
@@ -63,7 +63,7 @@ def test_first_fixed_in_with_the_json_on_disk_after_every_probe(tmp_path):
     output = tmp_path / "bisect.json"
     run_cells, calls = scripted({v: [KNOWN] if Version(v) < Version("1.14.0") else [PASSED] for v in RELEASES})
 
-    def recorded_runs_so_far(candidate):
+    def recorded_runs_so_far(candidate, run):
         written = json.loads(output.read_text())
         assert written["status"] == "running" and len(written["probes"]) == len(calls)
         return run_cells(candidate)
@@ -129,7 +129,7 @@ def test_a_crash_keeps_the_finished_probes_on_disk(tmp_path):
     outcomes = {v: [KNOWN] if Version(v) < Version("1.14.0") else [PASSED] for v in RELEASES}
     run_cells, _calls = scripted(outcomes)
 
-    def crash_in_the_search(candidate):
+    def crash_in_the_search(candidate, run):
         if candidate.label == "1.14.0":
             raise RuntimeError("disk full")
         return run_cells(candidate)

@@ -41,7 +41,7 @@ def test_an_output_where_no_file_can_be_written(argv, option):
 
 def test_tests_with_two_sets():
     assert refused("tests", "--set", "seed,latest") == (
-        "stackcheck: --set takes one set name, not 'seed,latest' (the matrix takes several: --sets a,b)")
+        "stackcheck: tests runs one set, not 'seed,latest' (the matrix takes several: --sets a,b)")
 
 
 def test_wheelhouse_without_uv(tmp_path):
