@@ -12,6 +12,7 @@ from pathlib import Path
 from stackcheck import REPO_ROOT, envs, gate, inputs, results, wheelhouse
 from stackcheck.bench import compare as bench_compare, report as bench_report
 from stackcheck.releases import bisect, history
+from stackcheck.releases.probes import DEFAULT_STORE
 from stackcheck.triage import doctor, repro, scan
 from stackcheck.releases import watch as watch_module
 from stackcheck.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, check_ledger, family_targets, record_unbuildable, run_pytest
@@ -69,6 +70,11 @@ def check_checkout(command: str) -> None:
                          "`python -m stackcheck` in the clone's root, or install the clone editable (pip install -e CLONE)")
 
 
+# The path options a command reads (the others name where it writes: check_file_option, check_folder_option).
+READ_PATHS = {"inputs": ("merge input", "file"), "source": ("--from", "file"), "releases": ("--releases", "file"),
+              "host_freeze": ("--host-freeze", "file"), "git": ("--git", "folder")}
+
+
 def check_common_options(args) -> None:
     """The set and install options every command shares, before any set is resolved or built (the rules every
     option follows, empty values and repeated options among them, are stackcheck.inputs')."""
@@ -77,6 +83,10 @@ def check_common_options(args) -> None:
     for folder in getattr(args, "find_links", []):
         if "://" not in folder:
             inputs.existing_folder("--find-links", Path(folder).expanduser())
+    for dest, (option, kind) in READ_PATHS.items():
+        given = getattr(args, dest, None) or []
+        for path in given if isinstance(given, list) else [given]:
+            (inputs.existing_file if kind == "file" else inputs.existing_folder)(option, path)
     if getattr(args, "arch", None):
         arch_options(args.arch)  # an unknown name, or a config.json that is no JSON or cannot be shrunk: before any build
 
@@ -341,35 +351,37 @@ def run_wheelhouse(args) -> int:
     return 0
 
 
-# Where each command keeps what it finished, named when Ctrl-C stops it: (what, the option naming the place).
+def _bisect_record(args) -> Path:
+    return args.output or bisect.default_output(args.package.lower(), args.family or "", args.test)
+
+
+# Where each command keeps what it finished, as it finishes: named when Ctrl-C stops it.
 KEPT = {
-    "matrix": [("finished cells", "results")], "gpu-matrix": [("finished cells", "results")],
-    "bench": [("each finished set's benchmarks", "results")], "wheelhouse": [("the downloaded wheels", "dest")],
-    "gate": [("finished cells", "output")], "repro": [("finished exports", "output")],
-    "bisect": [("finished probes", "output"), ("finished probes", "store")],
-    "history": [("finished probes", "store")], "watch": [("finished probes", "store"), ("finished bisects", "output")],
+    "matrix": [("cells", lambda args: args.results)], "gpu-matrix": [("cells", lambda args: args.results)],
+    "gate": [("cells", lambda args: args.output / "matrix.json")],
+    "bench": [("the finished sets' benchmarks", lambda args: args.results)],
+    "wheelhouse": [("the downloaded wheels", lambda args: args.dest)], "repro": [("the finished exports", lambda args: args.output)],
+    "bisect": [("the probes", _bisect_record), ("the probes", lambda args: args.store or DEFAULT_STORE)],
+    "history": [("the probes", lambda args: args.store or DEFAULT_STORE)],
+    "watch": [("the probes", lambda args: args.store or DEFAULT_STORE), ("the bisects", lambda args: args.output)],
 }
-DEFAULT_PLACES = {"store": REPO_ROOT / "results" / "probes.json"}
 
 
 def kept_after_interrupt(args) -> str:
-    """The one line Ctrl-C leaves: what the interrupted command kept, and where (results are written as they finish)."""
-    places = []
-    for what, option in KEPT.get(getattr(args, "command", None), []):
-        place = getattr(args, option, None) or DEFAULT_PLACES.get(option)
-        if option == "output" and args.command == "bisect" and place is None:
-            place = bisect.default_output(args.package.lower(), args.family or "", args.test)
-        if place is None or not Path(place).exists():
+    """The end of the one line Ctrl-C leaves: what the command had finished and where it is kept (every command
+    writes its results as they finish; a file is never left half-written)."""
+    kept = []
+    for what, place in KEPT.get(getattr(args, "command", None), []):
+        path = Path(place(args))
+        if not path.exists():
             continue
-        if Path(place).suffix == ".json" and what == "finished cells":
+        if what == "cells":
             try:
-                what = f"{len(results.load(Path(place))['cells'])} finished cells"
+                what = f"{len(results.load(path)['cells'])} finished cells"
             except (OSError, ValueError, KeyError, TypeError):
-                pass
-        places.append(f"{what} are kept in {place}")
-    if not places:
-        return "nothing was recorded"
-    return "; ".join(places) + " (a run started again goes on from them)" * (args.command in ("bisect", "history", "watch"))
+                what = "the finished cells"
+        kept.append(f"{what} in {path}")
+    return f"kept {'; '.join(kept)}" if kept else "nothing was recorded yet"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -382,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a reader gone away is found here, not in the interpreter's own flush at exit
         return code
     except KeyboardInterrupt:
-        print(f"stackcheck: interrupted; {kept_after_interrupt(parsed[0] if parsed else None)}", file=sys.stderr)
+        print(f"stackcheck: interrupted: {kept_after_interrupt(parsed[0] if parsed else None)}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more reaches the closed pipe

@@ -75,14 +75,16 @@ def _locked(path: Path):
         os.close(folder)  # releases the lock
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-# The mode a new file gets from open(): 0666 less the umask, read once (os.umask can only be read by setting it).
-NEW_FILE_MODE = 0o666 & ~_umask()
+def new_file_mode() -> int:
+    """The mode open() gives a new file: 0666 less the process's umask (from /proc where Linux has it: os.umask can
+    only be read by setting it, which would race with the threads writing probes)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -92,7 +94,7 @@ def _write_atomic(path: Path, text: str) -> None:
     try:
         mode = path.stat().st_mode & 0o7777
     except FileNotFoundError:
-        mode = NEW_FILE_MODE
+        mode = new_file_mode()
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
         os.fchmod(handle.fileno(), mode)

@@ -220,17 +220,15 @@ def run(args) -> int:
     """The `repro` command: 0 when every export reproduces its cell, 1 otherwise (2 on a usage error)."""
     if bool(args.test) == bool(args.source):
         raise UsageError("name a test (--sets SET --test ID) or a results file (--from matrix.json [--sets A,B])")
-    if args.source and not args.source.is_file():
-        raise UsageError(f"--from {args.source}: no such file")
+    if args.source and args.overrides:  # its cells were recorded on their sets' pins, and are reproduced on them
+        raise UsageError("--with pins the set of --test; a results file's cells are reproduced on the pins they were recorded "
+                         "with (to see them on another pin: matrix --sets SET --with PIN, then repro --from its results)")
     test = lane.family_test(args.test) if args.test else None  # before any environment is built
     ledger = Ledger()
     cells = cells_from(args.source, args.sets.split(",") if args.sets else None) if args.source else None
     recorded_sets = results.load_checked(args.source)["sets"] if args.source else {}
     if args.test and args.sets and "," in args.sets:
         raise UsageError("--test runs on one set: name it with --sets SET")
-    if args.source and args.overrides:  # its cells were recorded on their sets' pins, and are reproduced on them
-        raise UsageError("--with pins the set of --test; a results file's cells are reproduced on the pins they were recorded "
-                         "with (to see them on another pin: matrix --sets SET --with PIN, then repro --from its results)")
     names = sorted({c.set_name for c in cells}) if cells else [args.sets or default_set().name]
     sets = {name: resolve([name], args.overrides)[0] if cells is None else version_set(name) for name in names}  # pins checked before any build
     outcomes = []

@@ -81,8 +81,10 @@ PROGRESS = {"stream": sys.stdout}
 
 def progress(step: str) -> None:
     """What the scan is doing (the libraries' imports and the build on meta take 10 to 30 s), in `== ` lines before
-    the report as every command prints them; on stderr with --json, whose stdout is the JSON alone."""
-    print(f"== scan: {step}", file=PROGRESS["stream"], flush=True)
+    the report as every command prints them. With --json, whose stdout is the JSON alone, on stderr where a person
+    watches it (a terminal), else not at all: a program reading stderr finds only an error there."""
+    if PROGRESS["stream"] is not None:
+        print(f"== scan: {step}", file=PROGRESS["stream"], flush=True)
 
 
 def failed(what: str, exc: Exception) -> UsageError:
@@ -301,7 +303,7 @@ def run(args, argv: list[str]) -> int:
     for option, value in (("--device-map", device_map), ("--max-memory", max_memory), ("--quantization", quantization)):
         if value is not None and not isinstance(value, dict):
             raise UsageError(f"{option}: expected a JSON object, got {type(value).__name__}")
-    PROGRESS["stream"] = sys.stderr if args.json else sys.stdout
+    PROGRESS["stream"] = (sys.stderr if sys.stderr.isatty() else None) if args.json else sys.stdout
     if args.python and os.environ.get(IN_PYTHON_ENV) != args.python:
         return run_in(inputs.interpreter("--python", args.python), argv)
     versions, cpu_flags = installed_versions(), hostinfo.cpu_facts()["cpu_flags"]

@@ -186,3 +186,32 @@ def test_bisect_usage_errors_are_one_line_and_exit_2(argv, message, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("stackcheck: ") and message in err and "\n" not in err
+
+
+def test_the_flake_check_runs_again_instead_of_reading_the_store(tmp_path, monkeypatch, capsys):
+    """bisect's second run of a flipped candidate is a real run: the probe store, which its first run has just
+    written, would give that run back and the check would prove nothing."""
+    from stackcheck import lane
+    from stackcheck.releases import probes
+
+    runs = []
+
+    def run_timed(vset, targets, results_path, *args, **kwargs):
+        runs.append(vset.name)
+        version = Version(str(vset.pins["accelerate"]))
+        cell = dict(KNOWN if version < Version("1.14.0") else PASSED, family="params4bit_kwargs", set=vset.name, lane="cpu")
+        return [cell], {"environment": 0.0, "total": 0.0}
+
+    monkeypatch.setattr(lane, "run_timed", run_timed)
+    monkeypatch.setattr(probes.lane, "run_timed", run_timed)
+    store, output = tmp_path / "probes.json", tmp_path / "bisect.json"
+    argv = ["bisect", "accelerate", "--good", "1.15.0", "--bad", "1.13.0", "--candidates", "1.13.0,1.14.0,1.15.0",
+            "--family", "params4bit_kwargs", "--store", str(store), "--output", str(output)]
+    assert cli.main(argv) == 0
+    record = json.loads(output.read_text())
+    assert record["answer"]["first"] == "1.14.0"
+    assert len(runs) == len(record["probes"])  # every probe of the record ran, the re-runs included
+    assert sum(p["run"] == 2 for p in record["probes"]) == 2  # the newer endpoint and 1.14.0, each run again
+    runs.clear()
+    assert cli.main(argv) == 0  # again, over a full store: only the flake checks run
+    assert len(runs) == 2

@@ -143,3 +143,43 @@ def test_report_hides_nothing(tmp_path):
     assert "| bnb_cpu_packed_width | - | **missing** | **skipped** (1 skipped) |" in markdown
     assert "passes although the ledger says these versions have it" in markdown and "depends on the CPU" in markdown
     assert "| seed | Xeon | avx2 avx512f avx512_bf16 | taken | AVX512 | none | n/a | n/a | Linux-6 |" in markdown
+
+
+def test_results_files_take_the_umask_and_keep_their_mode(tmp_path):
+    """Created as open() would create them (0666 less the umask, not a temporary file's 0600); a file replaced
+    keeps the mode it had (merge once reset it to 0600)."""
+    old = os.umask(0o002)
+    try:
+        path = tmp_path / "matrix.json"
+        results.record_set(path, "seed", VERSIONS)
+        assert path.stat().st_mode & 0o777 == 0o664 and path.with_suffix(".md").stat().st_mode & 0o777 == 0o664
+        os.chmod(path, 0o640)
+        results.record_cells(path, [cell("t1", "pass")])
+        assert path.stat().st_mode & 0o777 == 0o640
+        merged = tmp_path / "merged.json"
+        assert cli.main(["merge", str(path), "--output", str(merged)]) == 0
+        assert merged.stat().st_mode & 0o777 == 0o664
+        os.umask(0o077)
+        results.merge_files([path], merged)
+        assert merged.stat().st_mode & 0o777 == 0o664  # an existing file keeps its mode
+    finally:
+        os.umask(old)
+
+
+def _record_many(path, worker):
+    for index in range(10):
+        results.record_cells(path, [cell(f"w{worker}-{index}", "pass")])
+
+
+def test_concurrent_writers_lose_nothing_and_leave_no_lock_file(tmp_path):
+    import multiprocessing
+
+    path = tmp_path / "matrix.json"
+    results.record_set(path, "seed", VERSIONS)
+    workers = [multiprocessing.get_context("fork").Process(target=_record_many, args=(path, worker)) for worker in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert len(json.loads(path.read_text())["cells"]) == 40
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["matrix.json", "matrix.md"]  # no .lock, no temporary file

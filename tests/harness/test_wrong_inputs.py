@@ -3,6 +3,7 @@ on stderr, exit code 2, no traceback, and nothing built first (no `+ command` li
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,74 @@ def test_scan_with_a_quantization_file_that_is_missing(tmp_path):
 def test_scan_without_an_adapter_claims_nothing_about_one():
     run = stackcheck("scan", E2B)
     assert run.returncode == 1 and "\nno problems found in the model\n" in run.stdout, run  # 1: the installed versions' known bugs
+
+
+# Issue 29: tracebacks where one line belongs, through the real command.
+
+def test_a_python_without_packaging_is_one_line():
+    # -S leaves site-packages, and with them `packaging`, off the path; the standard library stays.
+    run = subprocess.run([sys.executable, "-S", "-m", "stackcheck", "versions"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run
+    assert run.stderr.startswith(f"stackcheck: needs the `packaging` package, which this Python ({sys.executable}) lacks: pip install packaging")
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly():
+    """`doctor --json | head`: the pipe closes before doctor writes; no BrokenPipeError, the exit status SIGPIPE's."""
+    process = subprocess.Popen([sys.executable, "-m", "stackcheck", "doctor", "--json", "--python", sys.executable], cwd=REPO_ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    process.stdout.close()  # the reader is gone before the report is written
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=60) == 141 and stderr == "", stderr
+
+
+def test_ctrl_c_is_one_line_saying_what_was_kept(tmp_path):
+    """SIGINT in the middle of a matrix run, after a cell was recorded (the set's pytest stands in)."""
+    path = tmp_path / "matrix.json"
+    code = f"""
+import os, signal, sys
+from pathlib import Path
+from stackcheck import cli, envs, results
+envs.build = lambda *args, **kwargs: Path(sys.executable)
+envs.versions_in = lambda *args: ""
+def pytest_run(python, vset, targets, extra, path, *args, **kwargs):
+    results.record_cells(path, [{{"set": vset.name, "family": "merge_parity", "test": "t[cpu]", "lane": "cpu", "verdict": "pass", "seconds": 1.0}}])
+    os.kill(os.getpid(), signal.SIGINT)
+cli.run_pytest = pytest_run
+sys.exit(cli.main(["matrix", "--sets", "seed", "--families", "merge_parity", "--results", {str(path)!r}]))
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert run.returncode == 130 and run.stderr == f"stackcheck: interrupted: kept 1 finished cells in {path}\n", run
+    assert json.loads(path.read_text())["cells"][0]["test"] == "t[cpu]"
+
+
+@pytest.fixture
+def broken_sets_toml(tmp_path) -> Path:
+    """A copy of the package (and noxfile) whose sets.toml declares a set twice."""
+    shutil.copytree(REPO_ROOT / "stackcheck", tmp_path / "stackcheck", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO_ROOT / "noxfile.py", tmp_path / "noxfile.py")
+    sets = tmp_path / "stackcheck" / "sets.toml"
+    sets.write_text(sets.read_text() + '\n[sets.seed]\ntransformers = "5.6.2"\n')
+    return tmp_path
+
+
+def test_a_broken_sets_toml_is_one_line_in_every_command(broken_sets_toml):
+    message = f"stackcheck: {broken_sets_toml / 'stackcheck' / 'sets.toml'} is not valid TOML: Cannot declare ('sets', 'seed') twice"
+    for argv in (["versions"], ["versions", "--sets", "seed", "--with", "peft==0.20.0"]):
+        line = refused(*argv, cwd=broken_sets_toml, env={"PYTHONPATH": str(broken_sets_toml)})
+        assert line.startswith(message), line
+
+
+def test_nox_lists_its_sessions_over_a_broken_sets_toml(broken_sets_toml):
+    if not shutil.which("nox"):
+        pytest.skip("no nox here")
+    run = subprocess.run(["nox", "-l"], cwd=broken_sets_toml, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(broken_sets_toml)})
+    assert run.returncode == 0 and "- matrix ->" in run.stdout and "Traceback" not in run.stderr, run
+    assert "stackcheck: " in run.stderr and "no matrix_set sessions" in run.stderr
+
+
+def test_scan_of_a_file_says_it_is_a_file():
+    readme = REPO_ROOT / "README.md"
+    assert refused("scan", str(readme)) == f"stackcheck: MODEL {readme} is a file; name a folder"
