@@ -98,10 +98,12 @@ class ProbeStore:
         with self._lock:
             data = self._load()
             old = next((e for e in data["probes"] if e["key"] == key), None)
-            kept = [] if old is None or old["fingerprint"] != fingerprint else [c for c in old["cells"] if c["family"] not in families]
+            same = old is not None and old["fingerprint"] == fingerprint
+            kept = [c for c in old["cells"] if c["family"] not in families] if same else []
             entry = {
                 "key": key, "label": label, "fingerprint": fingerprint,
-                "families": sorted({c["family"] for c in kept} | set(families)),
+                # The families it ran, those of a run before kept (a family may have no cell: re-running another keeps it).
+                "families": sorted((set(old["families"]) if same else set()) | set(families)),
                 "versions": versions, "cells": kept + cells,
                 "costs": {name: round(value, 2) if value is not None else None for name, value in costs.items()},
                 "concurrent": concurrent, "finished": datetime.datetime.now().isoformat(timespec="seconds"),

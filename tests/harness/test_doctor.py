@@ -67,8 +67,10 @@ def test_doctor_exits_1_on_an_affected_install_with_a_json_report(capsys):
 
 
 @pytest.mark.parametrize("python, message", [
-    ("/no/such/python", "cannot run it"),
+    ("/no/such/python", "--python /no/such/python: no such file"),
     ("/bin/false", "cannot report its packages"),
+    ("/usr", "--python /usr is a folder; name a Python interpreter"),
+    ("/dev/null", "cannot run it"),
 ])
 def test_an_interpreter_doctor_cannot_read_is_one_line(python, message, capsys):
     assert message in one_usage_line(cli.main(["doctor", "--python", python]), capsys)

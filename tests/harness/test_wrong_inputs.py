@@ -33,7 +33,7 @@ def refused(*argv: str, **kwargs) -> str:
 @pytest.mark.parametrize("argv, option", [
     (["matrix", "--sets", "seed", "--results", "/proc/x.json"], "--results"),
     (["gate", "--with", "accelerate==1.14.0", "--output", "/proc/x"], "--output"),
-    (["merge", "a.json", "--output", "/proc/x.json"], "--output"),
+    (["merge", str(REPO_ROOT / "README.md"), "--output", "/proc/x.json"], "--output"),
 ], ids=["matrix", "gate", "merge"])
 def test_an_output_where_no_file_can_be_written(argv, option):
     # /proc takes no new file, even for root, whom every permission check lets through.
