@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -33,9 +34,12 @@ def absolute_path(text: str) -> Path:
 
 
 def check_file_option(option: str, path: Path) -> None:
-    """An option naming a file to write: refused up front when a folder is in the way or its folder takes no file."""
+    """An option naming a file to write: refused up front when a folder is in the way or its folder takes no file.
+    Every such file is JSON, with its .md (and .png) written beside it: a name without .json would have them clash."""
     if path.is_dir():
         raise UsageError(f"{option} {path} is a folder; name the file to write")
+    if path.suffix != ".json":
+        raise UsageError(f"{option} {path}: name a .json file (its .md is written beside it)")
     check_writable(option, path.parent)
 
 
@@ -80,9 +84,9 @@ def check_common_options(args) -> None:
     option follows, empty values and repeated options among them, are stackcheck.inputs')."""
     if getattr(args, "no_index", False) and not args.find_links:
         raise UsageError("--no-index installs only from --find-links folders: name one with --find-links DIR")
-    for folder in getattr(args, "find_links", []):
-        if "://" not in folder:
-            inputs.existing_folder("--find-links", Path(folder).expanduser())
+    if getattr(args, "find_links", None):  # absolute, as every path option: the installers run elsewhere than the caller
+        args.find_links = [folder if "://" in folder else str(inputs.existing_folder("--find-links", Path(folder).expanduser()).resolve())
+                           for folder in args.find_links]
     for dest, (option, kind) in READ_PATHS.items():
         given = getattr(args, dest, None) or []
         for path in given if isinstance(given, list) else [given]:
@@ -333,6 +337,10 @@ def run_bench(args) -> int:
 def run_wheelhouse(args) -> int:
     wheelhouse.require_uv()
     check_folder_option("--dest", args.dest)
+    if not re.fullmatch(r"3\.\d+", args.python_version):
+        raise UsageError(f"--python-version {args.python_version}: name the target's Python as MAJOR.MINOR, e.g. 3.12")
+    if args.cuda is not None and not re.fullmatch(r"\d{2,3}", args.cuda):
+        raise UsageError(f"--cuda {args.cuda}: name the CUDA build as bitsandbytes' binaries do, e.g. 130 for CUDA 13.0")
     platforms = args.platforms or wheelhouse.MANYLINUX_X86_64
     sets = _selected(args)
     if args.sweep:

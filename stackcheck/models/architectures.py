@@ -188,8 +188,8 @@ REQUIRED_TOWER_SIZES = ("hidden_size",)
 def _refuse_missing_sizes(config: dict, required: tuple[str, ...], where: str) -> None:
     missing = [key for key in required if not isinstance(config.get(key), int) or isinstance(config.get(key), bool)]
     if missing:
-        raise ArchitectureError(f"{where}: cannot be shrunk: it does not state {', '.join(missing)}, so transformers' "
-                                "full-size default would be built; write the sizes of the model into it")
+        raise ArchitectureError(f"{where}: cannot be shrunk: it does not state {', '.join(missing)} (as integers), so "
+                                "transformers' full-size default would be built; write the sizes of the model into it")
 
 
 def _refuse_unknown_sizes(config: dict, known: dict, where: str) -> None:

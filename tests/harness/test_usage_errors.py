@@ -238,7 +238,7 @@ def test_a_path_option_of_the_wrong_kind_fails_before_any_build(argv, kind, mess
 @pytest.mark.parametrize("command", [["matrix", "--sets", "seed"], ["gate", "--with", "accelerate==1.14.0"]])
 def test_a_family_module_without_a_ledger_entry_fails_before_any_build(command, tmp_path, capsys, monkeypatch, no_environments):
     monkeypatch.setattr(lane, "family_modules", lambda: [*ledger.family_modules(), "new_family"])
-    code = cli.main([*command, "--results" if command[0] == "matrix" else "--output", str(tmp_path / "out")])
+    code = cli.main([*command, *(["--results", str(tmp_path / "out.json")] if command[0] == "matrix" else ["--output", str(tmp_path / "out")])])
     assert "no entry for family module(s) test_new_family.py" in one_usage_line(code, capsys)
 
 
@@ -444,7 +444,7 @@ def snapshot(tmp_path: Path, name: str, config: dict) -> Path:
 
 @pytest.mark.parametrize("case, message", [
     ("no sizes", "cannot be shrunk: it does not state hidden_size, intermediate_size, num_attention_heads, vocab_size"),
-    ("no width", "cannot be shrunk: it does not state hidden_size, so transformers' full-size default would be built"),
+    ("no width", "cannot be shrunk: it does not state hidden_size (as integers), so transformers' full-size default would be built"),
     ("folder without config", "is a folder without a config.json"),
     ("same folder twice", "names the architecture my_llama more than once"),
     ("builtin twice", "--arch names llama3 more than once"),
@@ -576,3 +576,29 @@ def test_repro_names_the_architecture_it_builds():
                                                          "fixtures/architectures/llama3.json) from its config, no network")
     assert "Gemma4ForConditionalGeneration" in repro.model_built("FIXTURES = {}", dataclasses.asdict(architectures.builtin()["gemma4"]))
     assert repro.model_built("FIXTURES = {}", None) == ": it builds a tiny random Gemma 4 from its config, no network"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["matrix", "--sets", "seed", "--results", "out/matrix.md"], "--results {tmp}/out/matrix.md: name a .json file (its .md is written beside it)"),
+    (["merge", str(REPO_ROOT / "README.md"), "--output", "merged"], "--output {tmp}/merged: name a .json file"),
+    (["bisect", "peft", "--good", "1", "--bad", "2", "--family", "merge_parity", "--store", "probes"], "--store {tmp}/probes: name a .json file"),
+    (["wheelhouse", "--sets", "seed", "--python-version", "twelve"], "--python-version twelve: name the target's Python as MAJOR.MINOR"),
+    (["wheelhouse", "--sets", "seed", "--cuda", "13.0"], "--cuda 13.0: name the CUDA build as bitsandbytes' binaries do, e.g. 130"),
+])
+def test_a_value_of_the_wrong_form_is_named(argv, message, tmp_path, monkeypatch, capsys, no_environments):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(wheelhouse, "require_uv", lambda: None)
+    assert message.format(tmp=tmp_path) in one_usage_line(cli.main(argv), capsys)
+
+
+def test_find_links_are_made_absolute_for_the_installers(tmp_path, monkeypatch):
+    (tmp_path / "wheels").mkdir()
+    monkeypatch.chdir(tmp_path)
+
+    def build(vset, find_links, *args, **kwargs):
+        raise Built(find_links)
+
+    monkeypatch.setattr(envs, "build", build)
+    with pytest.raises(Built) as built:
+        cli.main(["matrix", "--sets", "seed", "--find-links", "wheels", "--find-links", "https://example.org/simple", "--results", "m.json"])
+    assert built.value.args[0] == [str(tmp_path / "wheels"), "https://example.org/simple"]
