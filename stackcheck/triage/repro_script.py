@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 from stackcheck import REPO_ROOT
+from stackcheck.ledger import family_path
 
 HELPER_MODULES = ("tiny", "architectures", "hostinfo", "scenario")  # in dependency order: each uses only those before it
 # The tiny module's file and cache plumbing, replaced by inline fixtures and a temporary folder.
@@ -53,20 +54,24 @@ class ReproUnsupported(Exception):
     """The test cannot be cut into a standalone script (a fixture the script cannot stand in for)."""
 
 
-# Where each helper module lives, by the name the families call it through.
-HELPER_PATHS = {"tiny": "stackcheck/models/tiny.py", "architectures": "stackcheck/models/architectures.py",
-                "hostinfo": "stackcheck/hostinfo.py", "scenario": "stackcheck/scenario.py"}
+# Where each helper module lives, by the name the families call it through. `scenario` is a facade over the
+# harness's phase modules: its definitions are theirs, read in an order where each uses only those before it.
+HARNESS_PHASES = ("proof", "subject", "generate", "load", "place", "adapt", "train", "trainer")
+HELPER_PATHS = {"tiny": ("stackcheck/models/tiny.py",), "architectures": ("stackcheck/models/architectures.py",),
+                "hostinfo": ("stackcheck/hostinfo.py",),
+                "scenario": tuple(f"stackcheck/harness/{phase}.py" for phase in HARNESS_PHASES)}
 
 
-def _module_path(module: str) -> Path:
-    return REPO_ROOT / HELPER_PATHS[module]
+def _module_paths(module: str) -> list[Path]:
+    return [REPO_ROOT / path for path in HELPER_PATHS[module]]
 
 
 class _Source:
-    """One module's top-level definitions: name -> (node, source text), and its import statements."""
+    """One module's top-level definitions: name -> (node, source text), and its import statements. Several files
+    read as one module (the harness's phases behind `scenario`) are joined, their `__future__` imports dropped."""
 
-    def __init__(self, path: Path):
-        self.text = path.read_text()
+    def __init__(self, *paths: Path):
+        self.text = "\n".join(re.sub(r"^from __future__ import .*$", "", path.read_text(), flags=re.MULTILINE) for path in paths)
         self.tree = ast.parse(self.text)
         self.definitions: dict[str, ast.AST] = {}
         self.imports: list[ast.AST] = []
@@ -129,8 +134,8 @@ def build(family: str, test_name: str, params: dict[str, str], fixtures: list[st
     missing = [f for f in fixtures if f not in FIXTURE_VALUES]
     if missing:
         raise ReproUnsupported(f"{test_name} uses fixtures a standalone script cannot stand in for: {', '.join(missing)}")
-    sources = {module: _Source(_module_path(module)) for module in HELPER_MODULES}
-    sources["family"] = _Source(REPO_ROOT / "tests" / "families" / f"test_{family}.py")
+    sources = {module: _Source(*_module_paths(module)) for module in HELPER_MODULES}
+    sources["family"] = _Source(REPO_ROOT / family_path(family))
     if test_name not in sources["family"].definitions:
         raise ReproUnsupported(f"test_{family}.py has no function {test_name}")
     roots = [("family", test_name), ("scenario", "lane_device")] + [("scenario", "prompt")] * ("prompt" in fixtures)
