@@ -57,6 +57,7 @@ class VersionSet:
     name: str
     pins: dict[str, Pin]
     description: str = ""
+    opt_in: bool = False  # run only when named (`--sets t4,latest`), never as one of "every set"
 
     def requirements(self) -> list[str]:
         return [pin.requirement() for pin in self.pins.values()]
@@ -122,8 +123,9 @@ def _is_version(text: str) -> bool:
     return True
 
 
-# What a set's table may hold beside its pins (PACKAGES).
-SET_KEYS = ("description", "refreshed")
+# What a set's table may hold beside its pins (PACKAGES); `opt_in` (true: the set runs only when named) is the one
+# that is no string.
+SET_KEYS = ("description", "refreshed", "opt_in")
 
 
 def load_sets(path: Path = SETS_FILE) -> tuple[dict[str, VersionSet], str]:
@@ -146,7 +148,9 @@ def load_sets(path: Path = SETS_FILE) -> tuple[dict[str, VersionSet], str]:
         if unknown:
             raise UsageError(f"{where}: unknown key(s) {', '.join(unknown)} (a set pins {', '.join(PACKAGES)}; "
                              f"it may have {', '.join(SET_KEYS)})")
-        texts = [key for key, value in entry.items() if not isinstance(value, str)]
+        if not isinstance(entry.get("opt_in", False), bool):
+            raise UsageError(f"{where}: opt_in must be true or false")
+        texts = [key for key, value in entry.items() if key != "opt_in" and not isinstance(value, str)]
         if texts:
             raise UsageError(f"{where}: {', '.join(texts)} must be a string, as in {texts[0]} = \"1.0.0\"")
         try:
@@ -156,7 +160,7 @@ def load_sets(path: Path = SETS_FILE) -> tuple[dict[str, VersionSet], str]:
         missing = [lib for lib in LIBRARIES if lib not in pins]
         if missing:
             raise UsageError(f"set '{name}' in {path.name} does not pin {', '.join(missing)}")
-        sets[name] = VersionSet(name, pins, entry.get("description", ""))
+        sets[name] = VersionSet(name, pins, entry.get("description", ""), entry.get("opt_in", False))
     default = data.get("default")
     if default not in sets:
         raise UsageError(f"{path}: default = {default!r} names no set (its sets: {', '.join(sets)})")
@@ -164,10 +168,10 @@ def load_sets(path: Path = SETS_FILE) -> tuple[dict[str, VersionSet], str]:
 
 
 def resolve(names: list[str] | None = None, overrides: list[str] | None = None) -> list[VersionSet]:
-    """The sets to run: named ones (all when none are named), each with the overrides applied."""
+    """The sets to run: named ones (when none are named, every set but the opt-in ones), each with the overrides applied."""
     known, _default = load_sets()
     chosen = []
-    for name in names or list(known):
+    for name in names or every_set(known):
         if name == CURRENT_SET:
             chosen.append(current_set())
         elif name not in known:
@@ -189,6 +193,11 @@ def resolve(names: list[str] | None = None, overrides: list[str] | None = None) 
         )
         for vset in chosen
     ]
+
+
+def every_set(known: dict[str, VersionSet] | None = None) -> list[str]:
+    """The sets a run that names none runs (the matrix, one CI job each): every set of sets.toml but the opt-in ones."""
+    return [name for name, vset in (known or load_sets()[0]).items() if not vset.opt_in]
 
 
 def current_set() -> VersionSet:

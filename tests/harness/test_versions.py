@@ -16,6 +16,15 @@ def test_every_named_set_pins_every_library_exactly():
         assert [pin.package for pin in vset.pins.values()] == list(LIBRARIES)
 
 
+def test_an_opt_in_set_runs_only_when_named():
+    """t4 (the last transformers 4.x) writes checkpoints for a 5.x set to read: `--sets t4,latest`, never one of
+    every set (the matrix without --sets and its CI jobs) nor the tests' default."""
+    sets, default = load_sets()
+    assert sets["t4"].opt_in and not sets[default].opt_in and sets["t4"].pins["transformers"].version.startswith("4.")
+    assert "t4" not in [vset.name for vset in resolve()] and "seed" in [vset.name for vset in resolve()]
+    assert [vset.name for vset in resolve(["t4", "latest"])] == ["t4", "latest"]
+
+
 def test_ad_hoc_set_is_a_base_set_plus_overrides(tmp_path):
     wheel = tmp_path / "bitsandbytes-0.51.0.dev0-py3-none-any.whl"
     wheel.touch()
@@ -45,9 +54,9 @@ def test_malformed_pins_name_the_bad_token(token, message):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["versions", "--sets", "nosuchset"], "stackcheck: unknown set 'nosuchset' (valid sets: seed, latest, current)"),
+        (["versions", "--sets", "nosuchset"], "stackcheck: unknown set 'nosuchset' (valid sets: seed, latest, t4, current)"),
         (["versions", "--with", "peft==x.y!"], "stackcheck: bad pin 'peft==x.y!': 'x.y!' is not a valid version"),
-        (["matrix", "--sets", "seed,typo"], "stackcheck: unknown set 'typo' (valid sets: seed, latest, current)"),
+        (["matrix", "--sets", "seed,typo"], "stackcheck: unknown set 'typo' (valid sets: seed, latest, t4, current)"),
     ],
 )
 def test_user_errors_print_one_line_and_exit_2(argv, message, capsys):
