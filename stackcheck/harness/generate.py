@@ -80,3 +80,23 @@ def assert_decodes_alike(model, input_ids: torch.Tensor, reference: Decode, what
     winners = logits(model, sequence)[0, input_ids.shape[1] - 1 : -1].argmax(-1).tolist()
     differ = [step for step, decisive in enumerate(reference.decisive) if decisive and winners[step] != reference.tokens[step]]
     assert not differ, f"{what}: fed the reference's tokens, steps {differ} choose {[winners[s] for s in differ]}, not {[reference.tokens[s] for s in differ]}"
+
+
+def share_past_the_first(compared: torch.Tensor, reference: torch.Tensor) -> tuple[str, float]:
+    """Where a divergence of [positions, vocab] logits sits: its share (squared error) past the first position.
+    `generate`'s first logits come from the prefill, a multi-token forward like the full one, and every later one from
+    a one-token decode: a kernel only decode takes puts all of the divergence past the first (1.0). A bug of the
+    forward itself spreads it over every position (about (n - 1) / n)."""
+    error = (compared - reference).pow(2).sum(dim=-1)
+    return "of it past the first position:", (error[1:].sum() / error.sum()).item() if error.sum() > 0 else 0.0
+
+
+@torch.no_grad()
+def cached_and_full_logits(model, input_ids: torch.Tensor, new_tokens: int, **generate_kwargs) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """`generate`'s logits, step by step from its cache, and those of one forward of the same sequence without a cache
+    (what uncached decoding computes at each step), as [steps, vocab] on the CPU; and `generate`'s cache."""
+    out = model.generate(input_ids=input_ids, min_new_tokens=new_tokens, max_new_tokens=new_tokens, do_sample=False,
+                         use_cache=True, output_logits=True, return_dict_in_generate=True, **generate_kwargs)
+    stepwise = torch.stack(out.logits, dim=1)[0].float().cpu()
+    full = model(input_ids=out.sequences[:, :-1], use_cache=False).logits[0, input_ids.shape[1] - 1 :].float().cpu()
+    return stepwise, full, out.past_key_values

@@ -118,3 +118,56 @@ def held_otherwise(model, written: dict[str, torch.Tensor]) -> tuple[list[str], 
     changed = [key for key, value in written.items() if key in held
                and not (held[key].dtype == value.dtype and held[key].shape == value.shape and torch.equal(held[key], value))]
     return changed, [key for key in written if key not in held]
+
+
+def offload_target(model, quantization: str) -> str:
+    """The block an offloaded cell sends off the main device: the last decoder layer's 4-bit MLP (or attention) for a
+    4-bit model, so that quantized weights are offloaded; the last decoder layer otherwise."""
+    from stackcheck.harness.place import decoder_layers, last_layer_4bit_block, module_name
+
+    if quantization.startswith(("nf4", "fp4")):
+        return last_layer_4bit_block(model)
+    return module_name(model, decoder_layers(model)[-1])
+
+
+def per_module_map(model, target: str, main, offload: str) -> dict[str, object]:
+    """A device map of the shape `device_map="auto"` gives: one entry per top module (no "" key), `target` on the
+    offload device and every other module on the main device."""
+    ancestors = {target.rsplit(".", depth)[0] for depth in range(target.count(".") + 1)}
+    device_map: dict[str, object] = {}
+
+    def walk(prefix: str, module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if full == target:
+                device_map[full] = offload
+            elif full in ancestors:
+                walk(full, child)
+            else:
+                device_map[full] = main
+
+    walk("", model)
+    return device_map
+
+
+def dispatch_offloaded(under_test: UnderTest, model, offload_dir: Path, target: str, with_root: bool):
+    """accelerate's `dispatch_model` as transformers calls it (with `skip_keys`), `target` on the offload device
+    (the CPU under a GPU, the disk under the CPU). `with_root`: the map a user writes, `{target: offload, "": main}`;
+    else the shape of an `auto` map (`per_module_map`). The model keeps the map as `hf_device_map`, as
+    `from_pretrained` leaves it."""
+    from accelerate import dispatch_model
+
+    from stackcheck.harness.place import device_key, offload_device
+
+    main, offload = device_key(under_test.device), offload_device(under_test.device)
+    device_map = {target: offload, "": main} if with_root else per_module_map(model, target, main, offload)
+    model = dispatch_model(model, device_map=device_map, offload_dir=str(offload_dir), skip_keys=model._skip_keys_device_placement)
+    model.hf_device_map = device_map
+    return model
+
+
+def require_offloaded(model, target: str) -> None:
+    """Prove `target` really was offloaded: every parameter of it waits on meta, behind accelerate's hooks."""
+    params = list(model.get_submodule(target).parameters())
+    require(params and all(p.device.type == "meta" for p in params), f"accelerate did not offload {target}: its weights are not on meta")
+    require(any(hasattr(m, "_hf_hook") for m in model.get_submodule(target).modules()), f"{target} has no accelerate hook")

@@ -56,15 +56,6 @@ def assert_cache_parity(what: str, error: float, judged_by: tuple[str, float] | 
     scenario.assert_within(f"{what}: relative error", error, CACHE_TOLERANCE, judged_by)
 
 
-def share_past_the_first(compared: torch.Tensor, reference: torch.Tensor) -> tuple[str, float]:
-    """Where the divergence sits: its share (squared error) past the first position, [positions, vocab] logits.
-    `generate`'s first logits come from the prefill, a multi-token forward like the full one, and every later one from
-    a one-token decode: a kernel only decode takes puts all of the divergence past the first (1.0). A bug of the
-    forward itself spreads it over every position (about (n - 1) / n)."""
-    error = (compared - reference).pow(2).sum(dim=-1)
-    return "of it past the first position:", (error[1:].sum() / error.sum()).item() if error.sum() > 0 else 0.0
-
-
 @scenario.QUANTIZATION
 def test_forward_without_cache_matches_cached_forward(under_test, quantized, prompt):
     model = adapted_model(under_test, quantized)
@@ -76,7 +67,7 @@ def test_forward_without_cache_matches_cached_forward(under_test, quantized, pro
     require_cache(cached)
     assert_cache_parity("logits without a cache diverge from the cached forward",
                         scenario.relative_error(uncached, cached.logits.float().cpu()),
-                        judged_by=share_past_the_first(uncached[0], cached.logits[0].float().cpu()))
+                        judged_by=scenario.share_past_the_first(uncached[0], cached.logits[0].float().cpu()))
 
 
 @scenario.QUANTIZATION
@@ -92,4 +83,4 @@ def test_generate_cached_logits_match_full_forward(under_test, quantized, prompt
     full = model(input_ids=out.sequences[:, :-1], use_cache=False).logits[0, prompt.shape[1] - 1 :].float().cpu()
 
     assert_cache_parity("generate's cached logits diverge from a full forward", scenario.relative_error(full, stepwise),
-                        judged_by=share_past_the_first(stepwise, full))
+                        judged_by=scenario.share_past_the_first(stepwise, full))
