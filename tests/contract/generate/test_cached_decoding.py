@@ -1,4 +1,25 @@
-"""DOCSTRING"""
+"""Cached decoding equals uncached decoding: `generate`'s logits, computed step by step from its cache, equal one
+forward of the same sequence without a cache (what uncached decoding computes at each step, on one sequence so
+that a near-tie cannot fork the two), on every architecture, with the dynamic and the static cache
+(`cache_implementation="static"`), on the bf16 and the 4-bit base, alone and through a PeftModel.
+
+The user's journey: inference after (Q)LoRA training, `generate` with its default cache or a static one, which users
+pick for compiled decoding. The bug family `cache_parity` checks the same on Gemma 4 alone; its building blocks
+(`scenario.cached_and_full_logits`, `scenario.share_past_the_first`) are shared here.
+
+Upstream bugs it catches, and which the ledger names here by the same message: transformers#45242 (Gemma 4's
+KV-shared layers without a cache, 5.5.0 and 5.5.1: `gemma4_uncached_kv_sharing`), bitsandbytes PR #1949 (on CUDA a
+one-token 4-bit decode took another kernel than prefill before 0.50: `bnb_decode_kernel_divergence`).
+
+Precondition proven: `generate` returned the cache the cell asks for (a static one for `static`); the base is NF4
+with nested quant state for the 4-bit cells; the adapter changes the outputs for the PeftModel cells.
+
+Tolerance: 0.01 relative error, judged by where the divergence sits (`share_past_the_first`: all of it past the
+first position for a decode-only kernel, about (n - 1) / n for a forward wrong at every position). Measured on the
+CPU: 0.0000 in every cell, seed and latest, seven architectures; cache_parity measured the bugs at 0.43 to 0.53
+(5.5.1) and 0.0135 to 0.0298 (CUDA, bitsandbytes < 0.50). Sequences stay under 16 tokens, where torch's CPU bf16
+attention switches kernels (cache_parity).
+"""
 
 import pytest
 
