@@ -9,6 +9,7 @@ import nox
 
 sys.path.insert(0, str(Path(__file__).parent))
 from stackcheck import cli  # noqa: E402
+from stackcheck.report import browser  # noqa: E402
 from stackcheck.versions import UsageError, every_set  # noqa: E402
 
 nox.options.sessions = ["tests"]
@@ -33,6 +34,7 @@ COMMANDS = {
     "repro": "Standalone reproductions of failing cells, checked: `-- --from results/matrix.json` or `-- --sets seed --test ID`.",
     "scan": "Preflight a model folder (+ adapter folder) on meta: `-- MODEL [ADAPTER] [--device-map J] [--quantization J] [--python PATH]`.",
     "merge": "Merge per-job matrix.json files: `-- a/matrix.json b/matrix.json [--output results/matrix.json]`.",
+    "report": "One self-contained HTML page from results/ (matrix, history sweeps, bench): `-- [--matrix F] [--output results/report.html]`.",
     "bisect": "First release where a family flips: `-- accelerate --good 1.15.0 --bad 1.13.0 --family params4bit_kwargs`.",
     "history": "Every release of a package through every family: `-- transformers --from 5.6.2 --to 5.23.0`; writes results/history-<package>.{json,md,png}.",
     "watch": "The newest releases gated against `latest`, and each family that flips bisected (the scheduled CI job); writes results/watch/.",
@@ -42,8 +44,19 @@ COMMANDS = {
 
 def _command_session(command: str, doc: str) -> None:
     def session(session: nox.Session) -> None:
+        if command == "tests":
+            browser.ensure_chromium()  # on a CI machine (root, CI set): the report's browser tests run there
         _run(command, session)
 
+    def report(session: nox.Session) -> None:
+        # The page's jinja2 and plotly (pyproject's `report` extra) in this session's own environment, not the user's.
+        session.install("--quiet", "-e", ".[report]")
+        session.run("python", "-m", "stackcheck", "report", *session.posargs)
+
+    if command == "report":
+        report.__doc__ = doc
+        nox.session(name=command)(report)
+        return
     session.__doc__ = doc
     nox.session(name=command, venv_backend="none")(session)
 
@@ -57,6 +70,13 @@ try:
 except UsageError as exc:  # `nox -l` still lists the other sessions, and says why there is no matrix_set
     print(f"stackcheck: {exc}; no matrix_set sessions", file=sys.stderr)
     SET_NAMES = []
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Regenerate docs/commands.md and docs/families.md (checked current by the tests); `-- --screenshots` redraws docs/report/*.png."""
+    session.install("--quiet", "-e", ".[report,browser]")
+    session.run("python", "-m", "stackcheck.docgen", *session.posargs)
 
 
 @nox.session(venv_backend="none")

@@ -20,6 +20,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # bitsandbytes (0.49 on, on an avx512_bf16 CPU) tries at import to fetch an optional CPU kernel from the Hub through
 # the `kernels` package, and warns when it cannot. stackcheck runs offline on bitsandbytes' own kernels, so the
-# warning is expected and says nothing about the run (README, "Run it").
+# warning is expected and says nothing about the run (docs/running.md, "Where torch comes from").
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward from kernels-community"))

@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, envs, gate, inputs, results, wheelhouse
+from stackcheck import REPO_ROOT, envs, gate, inputs, report, results, wheelhouse
 from stackcheck.bench import compare as bench_compare, report as bench_report
 from stackcheck.releases import bisect, history
 from stackcheck.releases.probes import DEFAULT_STORE
@@ -225,6 +225,8 @@ def _parser() -> argparse.ArgumentParser:
     scan.add_argument("--python", help="the interpreter whose libraries build the model (default: this one)")
     scan.add_argument("--json", action="store_true", help="print the report as JSON")
 
+    report.add_arguments(commands.add_parser("report", help="one self-contained HTML page from results: the verdict grid, history, bench"))
+
     merge = commands.add_parser("merge", help="merge per-job matrix.json files into one matrix.json and matrix.md")
     merge.add_argument("inputs", nargs="+", type=absolute_path, help="matrix.json files")
     merge.add_argument("--output", type=absolute_path, default=DEFAULT_RESULTS, help="merged matrix.json to write")
@@ -297,7 +299,8 @@ def run_matrix(args) -> int:
 
 def run_tests(args) -> int:
     (vset,) = _selected(args)
-    python = envs.build(vset, args.find_links, args.no_index, groups=envs.BENCH_GROUPS)
+    groups = envs.BENCH_GROUPS + (() if args.no_index else envs.REPORT_GROUPS)
+    python = envs.build(vset, args.find_links, args.no_index, groups=groups)
     print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
     # CI's run: the families on the seed's architecture unless --arch widens it (new architectures still have
     # unexplained new failures, which `matrix` shows: see docs/architectures.md).
@@ -459,6 +462,8 @@ def _main(argv: list[str], parsed: list) -> int:
             return repro.run(args)
         if args.command == "scan":
             return scan.run(args, argv)
+        if args.command == "report":
+            return report.run(args)
         if args.command == "merge":
             check_file_option("--output", args.output)
             merged = results.merge_files(args.inputs, args.output)

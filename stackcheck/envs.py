@@ -40,6 +40,9 @@ WHEELHOUSE_MANIFEST = "wheelhouse.json"
 FAMILY_EXTRAS = ("test", "dist")
 # Groups the `tests` and `bench` environments add: the tests run the bench's CPU smoke mode.
 BENCH_GROUPS = ("bench",)
+# What the `tests` environment adds to those: the report's page and its browser tests (an offline host's wheelhouse
+# does not carry them, so `tests --no-index` leaves them out and those tests skip there).
+REPORT_GROUPS = ("report", "browser")
 
 
 def test_requirements(vset: VersionSet, groups: tuple[str, ...] = ()) -> list[str]:
@@ -77,7 +80,7 @@ def torch_note(vset: VersionSet) -> str:
     if torch_requirements != [INDEX_TORCH]:
         return f"torch for set {vset.name}: {torch_requirements[0]}"
     return (f"torch for set {vset.name}: the package index's newest (no torch here, no wheel in STACKCHECK_WHEEL_DIRS); "
-            "from PyPI that is a CUDA build of several GB: UV_TORCH_BACKEND=cpu takes the CPU build (README, Run it)")
+            "from PyPI that is a CUDA build of several GB: UV_TORCH_BACKEND=cpu takes the CPU build (docs/running.md)")
 
 
 def _run(command: list[str]) -> None:
