@@ -1,0 +1,115 @@
+"""`stackcheck report` (issue 32): the page's model from real results files, the repro commands it prints, and the
+command's usage errors. The page in a real browser: test_report_browser.py."""
+
+import json
+import re
+import shlex
+import sys
+
+import pytest
+
+from stackcheck import REPO_ROOT, cli, report, results
+from stackcheck.ledger import SEVERITY, Ledger
+
+pytest.importorskip("jinja2", reason="the report's template engine (the `report` extra) is not installed here")
+pytest.importorskip("plotly", reason="the report's plots (the `report` extra) are not installed here")
+
+SAMPLE = REPO_ROOT / "docs" / "report" / "matrix.json"
+HISTORY = REPO_ROOT / "docs" / "history-transformers.json"
+BENCH = REPO_ROOT / "docs" / "bench"
+
+
+@pytest.fixture(scope="module")
+def sample():
+    return results.load_checked(SAMPLE)
+
+
+def test_the_grid_has_one_square_per_family_arch_set_and_lane_with_every_cell(sample):
+    grid = report.grid_model(sample, Ledger())
+    keys = {(c["family"], c.get("arch"), c["set"], c["lane"]) for c in sample["cells"]}
+    assert set(grid["squares"]) == keys
+    assert sum(len(square["cells"]) for square in grid["squares"].values()) == len(sample["cells"])
+    for square in grid["squares"].values():
+        assert square["verdict"] == min((c["verdict"] for c in square["cells"]), key=SEVERITY.index)
+        assert sum(square["counts"].values()) == len(square["cells"])
+    assert grid["sets"] == ["seed", "latest"]  # sets.toml's order
+
+
+def test_changes_name_what_an_upgrade_changes(sample):
+    grid = report.grid_model(sample, Ledger())
+    for change in report.changes(grid):
+        assert change["before"]["verdict"] != change["after"]["verdict"] and change["from"] == "seed"
+    pairs = {(c["family"], c["arch"], c["lane"]) for c in report.changes(grid)}
+    for family, arch in grid["rows"]:
+        before, after = grid["squares"].get((family, arch, "seed", "cpu")), grid["squares"].get((family, arch, "latest", "cpu"))
+        if before and after:
+            assert ((family, arch, "cpu") in pairs) == (before["verdict"] != after["verdict"])
+
+
+@pytest.mark.parametrize("set_name, pins", [("seed", []), ("seed+accelerate==1.14.0", ["accelerate==1.14.0"]),
+                                            ("latest+peft==0.19.1+transformers==5.20.0", ["peft==0.19.1", "transformers==5.20.0"])])
+def test_a_repro_command_is_one_repro_parses(set_name, pins):
+    test = "tests/families/test_merge_parity.py::test_merge_into_4bit_base_reproduces_adapter_outputs[cpu-llama3]"
+    command = report.repro_command(set_name, test)
+    words = shlex.split(command)
+    assert words[:4] == ["python", "-m", "stackcheck", "repro"]
+    args = cli._parser().parse_args(words[3:])
+    assert (args.sets, args.overrides, args.test) == (set_name.split("+")[0], pins, test)
+
+
+def test_the_history_names_first_bad_and_first_fixed_releases():
+    """The committed transformers sweep: what docs/history-transformers.md says of it, read off the page's model."""
+    model = report.history_model("history-transformers", json.loads(HISTORY.read_text()))
+    bugs = {bug["id"]: bug for bug in model["bugs"]}
+    assert bugs["audio_tower_finfo_uint8"]["first_fixed"] == "5.11.0"
+    assert bugs["vision_tower_uint8_cast"]["first_fixed"] == "5.13.0"
+    assert bugs["shared_kv_redispatch"]["first_fixed"] == "5.23.0"
+    assert bugs["sdpa_audio_tower"]["first_bad"] == "5.20.0" and bugs["sdpa_audio_tower"]["first_fixed"] is None
+    assert bugs["vision_tower_lora_reentrant_checkpointing"]["first_bad"].startswith("5.11.0")  # masked before it
+
+
+def test_bug_history_on_its_own():
+    labels = ["1", "2", "3", "4", "5"]
+    assert report.bug_history(["present", "present", "absent", "absent", None], labels)["first_fixed"] == "3"
+    assert report.bug_history(["present", "present", "absent", "absent", None], labels)["first_bad"] == "≤ 1"
+    regression = report.bug_history(["absent", "present", "absent", "present", "absent"], labels)
+    assert (regression["first_bad"], regression["first_fixed"]) == ("2", "5") and "regression" in regression["note"]
+    assert report.bug_history(["masked", "present", "present", "present", "present"], labels)["first_bad"] == "2 (masked before)"
+    assert report.bug_history(["not applicable"] * 5, labels)["first_bad"] is None
+
+
+def test_the_page_is_self_contained(tmp_path):
+    output = tmp_path / "report.html"
+    code = cli.main(["report", "--matrix", str(SAMPLE), "--history", str(HISTORY), "--bench", str(BENCH), "--output", str(output)])
+    assert code == 0
+    page = output.read_text()
+    assert not re.search(r"<(script|img|iframe)[^>]+src=|<link[^>]+href=", page), "the page loads something from elsewhere"
+    assert "Plotly.newPlot" in page and page.count("<script>") >= 2
+    assert len(re.findall(r'<td class="cell ', page)) == len(report.grid_model(results.load(SAMPLE), Ledger())["squares"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["report", "--matrix", "no/such.json"], "no such file"),
+    (["report", "--matrix", "docs"], "is a folder"),
+    (["report", "--matrix", "docs/history-transformers.json"], "is not a stackcheck matrix.json"),
+    (["report", "--history", "docs/report/matrix.json"], "is not a stackcheck history map"),
+    (["report", "--matrix", "docs/report/matrix.json", "--output", "results/report.md"], "name an .html file"),
+])
+def test_a_wrong_input_is_one_line_and_exit_2(argv, says, capsys, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err
+
+
+def test_no_results_to_show_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(report, "RESULTS_DIR", tmp_path)
+    assert cli.main(["report", "--output", str(tmp_path / "r.html")]) == 2
+    assert "nothing to show" in capsys.readouterr().err
+
+
+def test_without_the_report_extra_it_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "plotly", None)
+    assert cli.main(["report", "--matrix", str(SAMPLE), "--output", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install -e '.[report]'" in err and err.count("\n") == 1
