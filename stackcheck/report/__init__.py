@@ -202,6 +202,7 @@ def history_model(name: str, record: dict) -> dict:
     states = history.bug_rows(rows, sweep["families"])
     labels = [label for label, _ in rows]
     bugs = [{"id": bug, "states": mine, **bug_history(mine, labels)} for bug, mine in states.items()]
+    bugs.sort(key=lambda bug: bug["first_bad"] is None)  # the bugs that show in the range first, in the ledger's order
     return {"name": name, "id": slug(name), "sweep": sweep, "labels": labels, "bugs": bugs}
 
 

@@ -49,11 +49,14 @@ def chromium():
         yield launched
 
 
-@pytest.fixture(params=["desktop", "phone"])
+BOTH_WIDTHS = pytest.mark.parametrize("page", ["desktop", "phone"], indirect=True)
+
+
+@pytest.fixture
 def page(request, chromium, page_file):
-    """The page at a desktop or a phone's width; the test fails if the console showed an error meanwhile."""
-    viewport = browser.DESKTOP if request.param == "desktop" else browser.PHONE
-    context = chromium.new_context(viewport=viewport, is_mobile=request.param == "phone", has_touch=request.param == "phone")
+    """The page at a desktop's width (or a phone's, by parameter); the test fails if the console showed an error."""
+    phone = getattr(request, "param", "desktop") == "phone"
+    context = chromium.new_context(viewport=browser.PHONE if phone else browser.DESKTOP, is_mobile=phone, has_touch=phone)
     tab = context.new_page()
     errors = []
     tab.on("console", lambda message: errors.append(f"console {message.type}: {message.text}") if message.type == "error" else None)
@@ -74,6 +77,7 @@ def counts(tab) -> tuple[int, int]:
     return int(tab.inner_text("#shown-squares")), int(tab.inner_text("#shown-cells"))
 
 
+@BOTH_WIDTHS
 def test_the_grid_renders_with_the_counts_of_the_results(page, data, grid):
     assert shown(page, "#verdict-grid td.cell") == len(grid["squares"])
     assert counts(page) == (len(grid["squares"]), len(data["cells"]))
@@ -121,6 +125,7 @@ def test_the_filters_change_the_grid(page, data, grid):
     assert shown(page, ".square") == sum(1 for square in squares.values() if square["verdict"] in wanted)
 
 
+@BOTH_WIDTHS
 def test_every_link_on_the_page_lands_on_its_anchor(page, grid):
     dangling = page.evaluate("""() => Array.from(document.querySelectorAll('a[href^="#"]'))
         .map(a => a.getAttribute('href').slice(1)).filter(id => id && !document.getElementById(decodeURIComponent(id)))""")
@@ -159,6 +164,7 @@ def test_a_link_to_a_square_the_filters_hide_shows_it(page, grid):
     assert page.input_value("#f-arch") == ""
 
 
+@BOTH_WIDTHS
 def test_the_page_fits_the_screen_the_grid_scrolls_inside_it(page):
     width = page.evaluate("window.innerWidth")
     assert page.evaluate("document.documentElement.scrollWidth") <= width + 1, "the page scrolls sideways"
