@@ -124,6 +124,14 @@ def trainer_first_step(under_test: UnderTest, output_dir: Path, batch_size: int,
         learning_rate=1e-2, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=under_test.device.type == "cpu",
     )
+    # The one-device user's Trainer (the lane's device), as on a one-GPU host or with CUDA_VISIBLE_DEVICES=0: on a host
+    # with more GPUs visible the Trainer multiplies the batch and the loss by their count, which is the one-process
+    # multi-GPU scenario of the distributed families (data_parallel_training), not this one. The Trainer does the same
+    # itself for a model-parallel model (`args._n_gpu = 1`).
+    if under_test.device.type == "cuda":
+        _ = args.device  # sets the devices up (and _n_gpu to every GPU it sees) before the count is narrowed
+        args._n_gpu = 1
+    require(args.n_gpu <= 1, f"the Trainer sees {args.n_gpu} GPUs")
     dataset = [{"input_ids": list(TRAINING_IDS[0]), "labels": row} for row in UNEVEN_LABELS]
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
     trainer.train()
