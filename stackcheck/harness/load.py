@@ -4,6 +4,8 @@ bitsandbytes' CPU kernel for 4-bit layers (`pin_portable_cpu_kernel`)."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,343 @@ def first_nested_linear4bit(model) -> tuple[str, torch.nn.Module]:
     name, module = next(iter(modules.items()))
     require_nested_linear4bit(name, module)
     return name, module
+
+
+# --- Quantization as an axis (the load contract) ------------------------------------------------------------------
+
+# The values of the quantization axes, by id (`@pytest.mark.axes`): bitsandbytes' two 4-bit data types and LLM.int8;
+# double quant (4-bit only: LLM.int8 has no second-level quantization, its cells load as they would without it);
+# the dtype the model is loaded in, which is also the 4-bit compute dtype (transformers' pairing: the T4 recipe loads
+# fp16 with fp16 compute, transformers 4's default was fp32 for both, QLoRA's is bf16).
+QUANT_TYPES = {"nf4": "nf4", "fp4": "fp4", "int8": "int8"}
+DOUBLE_QUANT = {"dq": True, "nodq": False}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """What the user asks `BitsAndBytesConfig` for: `kind` nf4, fp4 or int8; double quant (4-bit); the model's dtype,
+    which is the 4-bit compute dtype too."""
+
+    kind: str
+    double_quant: bool = True
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        if self.kind not in QUANT_TYPES:
+            raise ValueError(f"unknown quantization '{self.kind}' (known: {', '.join(QUANT_TYPES)})")
+
+    @property
+    def four_bit(self) -> bool:
+        return self.kind != "int8"
+
+    @property
+    def load_in(self) -> str:
+        """The BitsAndBytesConfig flag, as users and failure messages name it."""
+        return "load_in_4bit" if self.four_bit else "load_in_8bit"
+
+    def __str__(self) -> str:
+        if not self.four_bit:
+            return f"int8 in {self.dtype}"
+        return f"{self.kind}{' with double quant' if self.double_quant else ''}, compute {self.dtype}"
+
+    def config(self, skip_modules: list[str] | None = None, fp32_cpu_offload: bool = False):
+        from transformers import BitsAndBytesConfig
+
+        common = {"llm_int8_skip_modules": skip_modules, "llm_int8_enable_fp32_cpu_offload": fp32_cpu_offload}
+        if not self.four_bit:
+            return BitsAndBytesConfig(load_in_8bit=True, **common)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=self.kind, bnb_4bit_use_double_quant=self.double_quant,
+                                  bnb_4bit_compute_dtype=self.dtype, **common)
+
+
+def load_quantized(under_test: UnderTest, quantization: Quantization, device_map=None, skip_modules: list[str] | None = None,
+                   fp32_cpu_offload: bool = False, **kwargs):
+    """The user's `from_pretrained(..., dtype=, quantization_config=BitsAndBytesConfig(...))` of the tiny checkpoint,
+    with the quantization asked for (bitsandbytes quantizes while loading), on the lane's device unless `device_map`
+    says otherwise (`"auto"` with `max_memory` in kwargs: transformers places it)."""
+    if device_map is None:
+        device_map = {"": str(under_test.device)}
+    model = tiny.model_class(under_test.arch).from_pretrained(
+        tiny.base_checkpoint(under_test.arch), dtype=quantization.dtype, device_map=device_map,
+        quantization_config=quantization.config(skip_modules, fp32_cpu_offload), **kwargs).eval()
+    pin_portable_cpu_kernel(model)
+    return model
+
+
+def quantized_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """bitsandbytes' 4-bit and 8-bit linear layers of `model`, by name."""
+    import bitsandbytes as bnb
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))}
+
+
+def int8_state(module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(CB, SCB) of a Linear8bitLt: on its weight until the first forward, on its state after (bitsandbytes moves
+    them there in `init_8bit_state`)."""
+    weight, state = module.weight, module.state
+    codes = weight.CB if getattr(weight, "CB", None) is not None else state.CB
+    scales = weight.SCB if getattr(weight, "SCB", None) is not None else state.SCB
+    if codes is None and weight.dtype == torch.int8:
+        codes = weight.data
+    return codes, scales
+
+
+def dequantized_weight(module) -> torch.Tensor | None:
+    """The weight a bitsandbytes layer holds, dequantized by bitsandbytes itself, in fp32; a float weight (one the
+    loader never quantized: a key not loaded leaves the initializer's) as it is; None for packed codes with no
+    quantization state to read them by."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    weight = module.weight
+    if weight.is_floating_point():
+        return weight.detach().float()
+    if isinstance(module, bnb.nn.Linear4bit):
+        state = getattr(weight, "quant_state", None)
+        return None if state is None else F.dequantize_4bit(weight.data, state).float()
+    codes, scales = int8_state(module)
+    return None if codes is None or scales is None else F.int8_vectorwise_dequant(codes, scales).float()
+
+
+def layer_kind(name: str) -> str:
+    """A module's name with its indices starred (`model.layers.*.self_attn.q_proj`): the kind of layer, across layers."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def by_kind(names) -> str:
+    """Names grouped by layer kind, in order of first appearance: `kind (count), ...`."""
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[layer_kind(name)] = counts.get(layer_kind(name), 0) + 1
+    return ", ".join(f"{kind} ({count})" if count > 1 else kind for kind, count in counts.items())
+
+
+def reference_model(under_test: UnderTest, dtype: torch.dtype = torch.float32):
+    """The tiny model in the checkpoint's bf16 weights, built from its config and seed in memory, not by any loader
+    (`from_pretrained`'s renaming, conversions and quantizer are what the load contract tests), on the lane's device,
+    computing in `dtype`. Proven to be the checkpoint: every tensor the checkpoint stores under the model's own name
+    equals it bit for bit (the keys transformers converts while loading, such as per-expert weights fused into one
+    parameter, are checked through the outputs)."""
+    model = tiny._new_base_model(under_test.arch).to(torch.bfloat16)
+    require_reference_is_checkpoint(under_test.arch, model)
+    return model.to(device=under_test.device, dtype=dtype).eval()
+
+
+_CHECKPOINTS_PROVEN: set = set()
+
+
+def require_reference_is_checkpoint(arch, model) -> None:
+    from safetensors import safe_open
+
+    if arch in _CHECKPOINTS_PROVEN:
+        return
+
+    state = model.state_dict()
+    compared, differing = 0, []
+    for file in sorted(tiny.base_checkpoint(arch).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                if key in state:
+                    compared += 1
+                    if not torch.equal(handle.get_tensor(key), state[key].cpu()):
+                        differing.append(key)
+    require(compared, f"the tiny {arch.name} checkpoint stores no tensor under the model's own names")
+    require(not differing, f"the seeded {arch.name} model is not the tiny checkpoint ({len(differing)} of {compared} tensors differ, "
+                           f"first {differing[:1]}): rebuild the fixture")
+    _CHECKPOINTS_PROVEN.add(arch)
+
+
+def quant_state_faults(module, quantization: Quantization) -> list[str]:
+    """Why a bitsandbytes layer does not hold the quantization asked for: a real quantization state (packed codes
+    and their scales) of the asked type, double quant and compute dtype; an empty list when it does."""
+    import bitsandbytes as bnb
+
+    weight = module.weight
+    shape = (module.out_features, module.in_features)
+    if quantization.four_bit:
+        if not isinstance(module, bnb.nn.Linear4bit):
+            return [f"is {type(module).__name__}, not Linear4bit"]
+        state = getattr(weight, "quant_state", None)
+        if not isinstance(weight, bnb.nn.Params4bit) or state is None:
+            return [f"its weight is a {type(weight).__name__} of {weight.dtype} with no quant state"]
+        faults = []
+        if weight.is_floating_point():
+            faults.append(f"its weight is {weight.dtype}, not packed")
+        if tuple(state.shape) != shape:
+            faults.append(f"quant state shape {tuple(state.shape)}, the layer is {shape}")
+        if state.quant_type != quantization.kind:
+            faults.append(f"quant type {state.quant_type}")
+        if bool(state.nested) != quantization.double_quant:
+            faults.append(f"double quant {bool(state.nested)}")
+        if module.compute_dtype != quantization.dtype:
+            faults.append(f"compute dtype {module.compute_dtype}")
+        return faults
+    if not isinstance(module, bnb.nn.Linear8bitLt):
+        return [f"is {type(module).__name__}, not Linear8bitLt"]
+    codes, scales = int8_state(module)
+    if not isinstance(weight, bnb.nn.Int8Params) or codes is None or scales is None:
+        return [f"its weight is a {type(weight).__name__} of {weight.dtype} with no int8 codes and scales"]
+    faults = []
+    if codes.dtype != torch.int8 or tuple(codes.shape) != shape:
+        faults.append(f"codes {codes.dtype} {tuple(codes.shape)}")
+    if scales.numel() != module.out_features:
+        faults.append(f"{scales.numel()} row scales for {module.out_features} rows")
+    if weight.has_fp16_weights:
+        faults.append("keeps fp16 weights")
+    return faults
+
+
+
+# The quantized loads the load contract's families share in one process (one load per architecture, device,
+# quantization and skip list), read only: layers, weights and outputs are all read off the same model. A guard test
+# that breaks a library clears it first, so that the family loads under the break.
+SHARED_LOADS: dict[tuple, torch.nn.Module] = {}
+
+
+def shared_quantized(under_test: UnderTest, quantization: Quantization, skip_modules: list[str] | None = None):
+    """`load_quantized` on the lane's device, once per process for the same arguments (a load that raises is not kept)."""
+    key = (under_test.arch, str(under_test.device), quantization, tuple(skip_modules or ()))
+    if key not in SHARED_LOADS:
+        SHARED_LOADS[key] = load_quantized(under_test, quantization, skip_modules=skip_modules)
+    return SHARED_LOADS[key]
+
+
+def half_code_step(module, quantization: Quantization) -> float:
+    """Half the largest gap between neighbouring values of the quantization's code, in units of the block's (4-bit) or
+    row's (int8) absmax: the most a correct rounding can move a value. The 4-bit code is bitsandbytes' own table for the
+    type (NF4 or FP4); LLM.int8 rounds to 1/127 of the row's absmax."""
+    if not quantization.four_bit:
+        return 0.5 / 127
+    import bitsandbytes.functional as F
+
+    state = getattr(module.weight, "quant_state", None)
+    code = (state.code if state is not None else F.get_4bit_type(quantization.kind)).float().sort().values
+    return (code[1:] - code[:-1]).max().item() / 2
+
+
+def blocksize_of(module, quantization: Quantization) -> int | None:
+    """The 4-bit block size the layer was quantized with (bitsandbytes' default where it holds no state); None for int8,
+    whose scale is one per row."""
+    if not quantization.four_bit:
+        return None
+    state = getattr(module.weight, "quant_state", None)
+    return state.blocksize if state is not None else 64
+
+
+def scale_of(reference: torch.Tensor, blocksize: int | None) -> torch.Tensor:
+    """Each value's absmax scale, read off the bf16 reference weight: its block's (blocks of `blocksize` consecutive
+    values of the flattened weight, as bitsandbytes blocks a 4-bit weight), or its row's (int8)."""
+    if blocksize is None:
+        return reference.abs().amax(dim=1, keepdim=True).expand_as(reference)
+    flat = reference.flatten().abs()
+    padded = torch.nn.functional.pad(flat, (0, (-flat.numel()) % blocksize))
+    return padded.view(-1, blocksize).amax(dim=1).repeat_interleave(blocksize)[: flat.numel()].view_as(reference)
+
+
+def grid_error(module, reference: torch.Tensor, quantization: Quantization) -> float:
+    """The largest distance between the weight a layer holds (dequantized by bitsandbytes) and the bf16 checkpoint's,
+    in half code steps of its scale (`half_code_step`): at most 1 for a weight that is the checkpoint's value rounded
+    to the quantization's grid (with double quant, the scale is itself rounded to 8 bits: a few percent more), about
+    4 to 10 for a weight that is not the checkpoint's (a random initialisation, a transposed or misplaced tensor, a
+    wrong scale). Infinite for packed codes with no quantization state."""
+    held = dequantized_weight(module)
+    if held is None:
+        return float("inf")
+    reference = reference.float().to(held.device)
+    if held.shape != reference.shape:
+        return float("inf")
+    scale = scale_of(reference, blocksize_of(module, quantization)).clamp_min(torch.finfo(torch.float32).tiny)
+    return ((held - reference).abs() / scale).max().item() / half_code_step(module, quantization)
+
+
+def rows_span_blocks(module, quantization: Quantization) -> bool:
+    """Whether a 4-bit layer's rows are not a whole number of blocks (a block straddles two rows)."""
+    blocksize = blocksize_of(module, quantization)
+    return blocksize is not None and module.in_features % blocksize != 0
+
+
+# The user's skip list, as an axis of the load contract: transformers' defaults (no list), or the user's own list,
+# naming the first decoder layer's attention by its full path and the output head (a user's list replaces
+# transformers' defaults, so it must name the head again: `skip_modules_drop_default_skips`).
+SKIPS = {"defaults": False, "attention0": True}
+
+
+def skip_list(under_test: UnderTest, skip: bool) -> list[str] | None:
+    """The `llm_int8_skip_modules` of a `SKIPS` value, read off the model's structure (built on meta)."""
+    if not skip:
+        return None
+    from stackcheck.harness.place import decoder_layers, module_name
+
+    with torch.device("meta"):
+        skeleton = tiny.model_class(under_test.arch)(tiny.tiny_config(under_test.arch))
+    return [module_name(skeleton, skeleton.get_output_embeddings()), module_name(skeleton, decoder_layers(skeleton)[0].self_attn)]
+
+
+# --- Placement by transformers' own device_map="auto" (the load contract) -------------------------------------------
+
+
+def quant_state_bytes(module) -> int:
+    """The bytes of a 4-bit layer's quantization state (absmax, code tables, nested state): real memory beside the
+    packed weight that parameter sizes do not count (0 for other layers and for a weight on meta)."""
+    state = getattr(getattr(module, "weight", None), "quant_state", None)
+    if state is None or module.weight.device.type == "meta":
+        return 0
+    return sum(t.nbytes for t in quant_state_tensors(state))
+
+
+def bytes_on(model, device_map: dict, device) -> int:
+    """The bytes `device_map` placed on `device` (accelerate's key: 0 or 'cpu'), measured on the placed model: accelerate's
+    `compute_module_sizes` of each module mapped there (parameters and buffers as they are stored, packed for 4-bit),
+    plus the quantization states of the 4-bit layers among them."""
+    from accelerate.utils import compute_module_sizes
+
+    sizes = compute_module_sizes(model)
+    roots = [name for name, placed in device_map.items() if placed == device]
+    states = sum(quant_state_bytes(module) for name, module in linear4bit_modules(model).items()
+                 if any(root == "" or name == root or name.startswith(root + ".") for root in roots))
+    return sum(sizes[root] for root in roots) + states
+
+
+def model_bytes(model) -> int:
+    """The bytes a model holds on its one device, as `bytes_on` counts them."""
+    return bytes_on(model, {"": "here"}, "here")
+
+
+def bf16_bytes(under_test: UnderTest) -> int:
+    """What the model weighs in bf16, unquantized (built on meta): the size a map sized before quantization would plan for."""
+    from accelerate.utils import compute_module_sizes
+
+    with torch.device("meta"):
+        skeleton = tiny.model_class(under_test.arch)(tiny.tiny_config(under_test.arch)).to(torch.bfloat16)
+    return compute_module_sizes(skeleton)[""]
+
+
+def auto_placed(under_test: UnderTest, quantization: Quantization, budget: int, offload_dir: Path):
+    """The user's `from_pretrained(..., device_map="auto", max_memory=...)`: `budget` bytes on the lane's device, what does
+    not fit goes one level down (the GPU lane: the CPU, with its whole memory; the CPU lane: disk, in `offload_dir`), with
+    `llm_int8_enable_fp32_cpu_offload` as bitsandbytes requires for any offload. Returns the model and its map ({"": main}
+    when transformers put it in one place, as it then records none)."""
+    from accelerate.utils import get_max_memory
+
+    from stackcheck.harness.place import device_key
+
+    main = device_key(under_test.device)
+    max_memory = {main: budget}
+    if under_test.device.type == "cuda":
+        max_memory["cpu"] = get_max_memory()["cpu"]
+    model = load_quantized(under_test, quantization, device_map="auto", max_memory=max_memory, offload_folder=str(offload_dir),
+                           fp32_cpu_offload=True)
+    return model, dict(getattr(model, "hf_device_map", None) or {"": placed_device(model)})
+
+
+def placed_device(model):
+    """Where a model that transformers did not dispatch sits, as accelerate's maps name it: its parameters' one device,
+    or 'disk' when they all wait on meta (transformers mapped the whole model to disk and dispatched nothing)."""
+    from stackcheck.harness.place import device_key
+
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        return "mixed"
+    device = devices.pop()
+    return "disk" if device.type == "meta" else device_key(device)
