@@ -1,0 +1,68 @@
+"""transformers' own `device_map="auto"` with `max_memory`: a quantized model that fits the budget is not spilled, and
+a placement under a budget keeps to it.
+
+The property (the user's journey, step 1, load, with a memory budget): `from_pretrained(..., quantization_config=...,
+device_map="auto", max_memory={0: budget, "cpu": ...})`.
+- A budget that holds the quantized model (1.5x its footprint, while less than its bf16 size) keeps all of it on the
+  main device: no module offloaded, nothing on meta. A map sized as if the weights were bf16 would spill it.
+- A budget that does not hold it (0.9x its footprint) offloads the rest, and the bytes placed on the main device stay
+  within the budget; the placed model computes the same logits as the model on one device.
+The main device is GPU 0 in the GPU lane (the overflow goes to the CPU, with its whole memory) and the CPU in the CPU
+lane (the overflow goes to disk: accelerate's same hooks, one level down, as `scenario.offload_device` says).
+bitsandbytes refuses any offload without `llm_int8_enable_fp32_cpu_offload`, which both cases set, so a spill reads
+as this family's failure with the map, not as that refusal.
+
+Bytes are measured on the placed model: accelerate's `compute_module_sizes` of the modules mapped to a device
+(parameters and buffers as stored, packed for 4-bit), plus the 4-bit layers' quantization states, which parameter
+sizes leave out (`scenario.bytes_on`). The footprint is the same measure on the model loaded on the main device alone.
+
+Upstream bugs of this kind: a map sized at bf16 before quantization, spilling a model that fits in 4-bit (axolotl
+PR #3512); reserved-but-unused CUDA memory counted late, different maps on the same hardware (transformers PR
+#44565); `compute_module_sizes` missing leaf parameters, wrong maps (transformers PR #42290); MoE layers sized from
+the first no-split layer, maps over budget (transformers#46823, PR #47203).
+
+Axes, by pairs with the architecture: NF4 (double quant, bf16) and int8 (bf16); the budget that fits and the one that
+does not. Precondition proven, before the logits are compared: the tight placement kept part of the model on the main
+device (it offloaded the rest, or the budget check has failed). The fitting budget is also below the bf16 size, so that it tells a 4-bit plan from a 16-bit one, except where
+most of the model stays in bf16 anyway (an int8 mixture of experts, whose fused experts bitsandbytes does not
+quantize): printed per cell.
+
+Tolerances: bytes placed / budget <= 1; logits of the placed model against the model on one device within 1e-3
+relative. Measured: see docs/contract-load.md.
+"""
+
+import pytest
+import torch
+
+from stackcheck import scenario
+
+FITS, TIGHT = 1.5, 0.9
+BUDGETS = {"fits": FITS, "tight": TIGHT}
+QUANTIZATIONS = {"nf4": scenario.Quantization("nf4", True, torch.bfloat16), "int8": scenario.Quantization("int8", False, torch.bfloat16)}
+LOGIT_TOLERANCE = 1e-3
+
+
+@pytest.mark.axes(quant=QUANTIZATIONS, budget=BUDGETS)
+def test_auto_device_map_honours_max_memory(under_test, quant, budget, offload_dir, prompt):
+    whole = scenario.shared_quantized(under_test, quant)
+    footprint = scenario.model_bytes(whole)
+    allowed = int(footprint * budget)
+    main = scenario.device_key(under_test.device)
+    model, device_map = scenario.auto_placed(under_test, quant, allowed, offload_dir)
+    elsewhere = {name: device for name, device in device_map.items() if device != main}
+
+    if budget == FITS:
+        bf16 = scenario.bf16_bytes(under_test)
+        print(f"stackcheck measured: footprint {footprint} B, budget {allowed} B, bf16 size {bf16} B "
+              f"({'a map sized in bf16 would spill it' if allowed < bf16 else 'the budget holds it in bf16 too'})")
+        on_meta = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+        spilled = [f"{name or 'the whole model'} on {device}" for name, device in elsewhere.items()] or [scenario.by_kind(on_meta) + " on meta"]
+        assert not elsewhere and not on_meta, (f"device_map='auto' spills a model that fits max_memory ({budget}x its footprint) "
+                                               f"off {main}: {', '.join(spilled[:4])}")
+        return
+
+    placed = scenario.bytes_on(model, device_map, main)
+    scenario.assert_within(f"device_map='auto' places more on {main} than max_memory allows: bytes placed / budget", placed / allowed, 1.0)
+    scenario.require(len(elsewhere) < len(device_map), f"transformers placed nothing on {main} ({device_map})")
+    error = scenario.relative_error(scenario.logits(model, prompt), scenario.logits(whole, prompt))
+    scenario.assert_within("the placed model's logits against the model on one device: relative error", error, LOGIT_TOLERANCE)

@@ -1,0 +1,69 @@
+"""Every weight the user's `BitsAndBytesConfig` asks to quantize is quantized, as asked, on every layer kind.
+
+The property (the user's journey, step 1, load): after `from_pretrained(..., quantization_config=BitsAndBytesConfig(
+load_in_4bit=True, ...))` (or `load_in_8bit=True`), every weight of two or more dimensions is held by a bitsandbytes
+layer with a real quantization state, except what is kept in 16 bits by design: embeddings, the output head, MoE
+routers, convolutions, the model's `_keep_in_fp32_modules` and the modules the user's `llm_int8_skip_modules` names
+(read as a user reads it: a module's full name covers what is inside it). "As asked": a 4-bit layer holds packed
+codes with a quant state of the asked type (NF4 or FP4), with or without double quant, its shape, and computes in
+the asked dtype; an 8-bit layer holds int8 codes and one scale per row. What the skip list names stays unquantized.
+A failure names what was left in 16 bits, by layer kind (`model.layers.*.self_attn.o_proj`), not only how much.
+
+This generalises the `quantized_experts` family (fused experts, one layer kind) to every layer kind, and makes
+quantization an axis, covered by pairs with the architecture (`stackcheck.harness.axes`): NF4 and FP4, double quant
+on and off (LLM.int8 has none: its cells load as without it), the model's dtype which is also the compute dtype
+(bf16, fp16, fp32), 8-bit beside 4-bit, and the skip list (transformers' defaults, or the user's own list naming
+the first decoder layer's attention, and the head, which a user's list must repeat: `skip_modules_drop_default_skips`).
+
+Bugs of this kind (upstream): fused experts left in bf16 under load_in_4bit (bitsandbytes#1849, transformers 5;
+ledger `bnb_fused_experts_unquantized`); `load_in_8bit` with a skip list naming inner projections
+(bitsandbytes#1634); skip lists that match nothing or more than they name (transformers PR #47990, ledger
+`skip_modules_match_nothing`); pre-quantized projections loading as packed uint8 with no quant state
+(unsloth#10276).
+
+Precondition proven: the load went through transformers' bitsandbytes quantizer with the config asked, and the model
+has weights meant for quantization. No tolerance: the property is structural.
+"""
+
+import pytest
+
+from stackcheck import scenario
+from stackcheck.models import footprint
+
+def kept_by_the_model(model) -> list[str]:
+    """The modules the model class keeps in fp32 (transformers' `_keep_in_fp32_modules`, a documented contract)."""
+    return [*(getattr(model, "_keep_in_fp32_modules", None) or []), *(getattr(model, "_keep_in_fp32_modules_strict", None) or [])]
+
+
+def named_by(model, entry: str) -> list[str]:
+    """The modules a skip entry names, read as a user reads it: its full name, or its trailing dotted part."""
+    return [name for name, _ in model.named_modules() if name == entry or name.endswith("." + entry)]
+
+
+@pytest.mark.axes(quant=scenario.QUANT_TYPES, double_quant=scenario.DOUBLE_QUANT, dtype=scenario.DTYPES, skip=scenario.SKIPS)
+def test_every_weight_meant_for_quantization_is_quantized(under_test, quant, double_quant, dtype, skip):
+    quantization = scenario.Quantization(quant, double_quant, dtype)
+    skip_list = scenario.skip_list(under_test, skip)
+    model = scenario.shared_quantized(under_test, quantization, skip_list)
+    quantizer = getattr(model, "hf_quantizer", None)
+    scenario.require(quantizer is not None and getattr(quantizer.quantization_config, quantization.load_in),
+                     f"the model was not loaded through transformers' bitsandbytes quantizer with {quantization.load_in}")
+    meant = footprint.meant_for_4bit(model, [*(skip_list or []), *kept_by_the_model(model)])
+    scenario.require(meant, "the model has no weight meant for quantization")
+    experts = footprint.fused_experts(model)
+
+    quantized = scenario.quantized_modules(model)
+    owners = {name: name.rpartition(".")[0] for name in meant}
+    left = [name for name, owner in owners.items() if owner not in quantized and name not in experts]
+    assert not left, f"{len(left)} weights meant for {quantization.load_in} stay in {meant[left[0]].dtype}: {scenario.by_kind(owners[name] for name in left)}"
+    faults = {owner: scenario.quant_state_faults(quantized[owner], quantization) for owner in set(owners.values()) if owner in quantized}
+    faults = {owner: why for owner, why in sorted(faults.items()) if why}
+    assert not faults, (f"{len(faults)} layers do not hold the quantization asked ({quantization}): "
+                        + "; ".join(f"{owner}: {', '.join(why)}" for owner, why in list(faults.items())[:4]))
+    if skip_list:
+        overruled = [entry for entry in skip_list if not named_by(model, entry)
+                     or any(q == name or q.startswith(name + ".") for name in named_by(model, entry) for q in quantized)]
+        assert not overruled, f"llm_int8_skip_modules entries whose modules are quantized anyway: {', '.join(overruled)}"
+    unquantized_experts = [name for name in experts if owners[name] not in quantized]
+    assert not unquantized_experts, (f"{len(unquantized_experts)} fused expert parameters stay in "
+                                     f"{experts[unquantized_experts[0]].dtype} under {quantization.load_in}: {', '.join(unquantized_experts[:2])}")
