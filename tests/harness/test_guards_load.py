@@ -1,0 +1,115 @@
+"""The load contract's families fail, with their own messages, when a library is broken on purpose in the way the
+bugs they are meant to catch break it: a layer left unquantized, a skip list ignored, a checkpoint key not loaded, a
+weight transposed on its way in, a device map sized in bf16 or from undercounted sizes."""
+
+import importlib
+
+import pytest
+import torch
+
+from stackcheck import scenario
+from stackcheck.harness import load
+from stackcheck.models import architectures
+from stackcheck.scenario import ToleranceExceeded
+
+LLAMA3 = scenario.UnderTest(architectures.builtin()["llama3"], torch.device("cpu"))
+NF4 = scenario.Quantization("nf4", True, torch.bfloat16)
+
+
+def family(name):
+    return importlib.import_module(f"tests.contract.load.test_{name}")
+
+
+@pytest.fixture(autouse=True)
+def fresh_loads(monkeypatch):
+    """Every guard loads under its own break, never a model another test loaded."""
+    monkeypatch.setattr(load, "SHARED_LOADS", {})
+
+
+def break_loader(monkeypatch, edit):
+    """transformers' loader, with `edit(state_dict)` applied to the checkpoint's tensors before it converts and loads them."""
+    import transformers.modeling_utils as modeling_utils
+
+    convert_and_load = modeling_utils.convert_and_load_state_dict_in_model
+
+    def broken(model, state_dict, *args, **kwargs):
+        edit(state_dict)
+        return convert_and_load(model, state_dict, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_utils, "convert_and_load_state_dict_in_model", broken)
+
+
+def test_quantized_layers_fails_on_a_linear_bitsandbytes_did_not_replace(monkeypatch):
+    import transformers.integrations as integrations
+
+    replace = integrations.replace_with_bnb_linear
+
+    def replace_all_but_one(model, *args, **kwargs):
+        model = replace(model, *args, **kwargs)
+        mlp = model.model.layers[1].mlp
+        mlp.down_proj = torch.nn.Linear(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False, device="meta")
+        return model
+
+    monkeypatch.setattr(integrations, "replace_with_bnb_linear", replace_all_but_one)
+    with pytest.raises(AssertionError, match=r"^1 weights meant for load_in_4bit stay in torch\.bfloat16: model\.layers\.\*\.mlp\.down_proj(\n|$)"):
+        family("load_quantized_layers").test_every_weight_meant_for_quantization_is_quantized(LLAMA3, "nf4", True, torch.bfloat16, False)
+
+
+def test_quantized_layers_fails_when_the_skip_list_is_ignored(monkeypatch):
+    from transformers.quantizers.base import HfQuantizer
+
+    defaults_only = HfQuantizer.get_modules_to_not_convert
+
+    def ignoring_the_user(model, skip_modules=None, keep_in_fp32_modules=None, add_default_skips=False):
+        return defaults_only(model, None, keep_in_fp32_modules, add_default_skips)
+
+    monkeypatch.setattr(HfQuantizer, "get_modules_to_not_convert", staticmethod(ignoring_the_user))
+    with pytest.raises(AssertionError, match=r"^llm_int8_skip_modules entries whose modules are quantized anyway: model\.layers\.0\.self_attn(\n|$)"):
+        family("load_quantized_layers").test_every_weight_meant_for_quantization_is_quantized(LLAMA3, "nf4", True, torch.bfloat16, True)
+
+
+def test_quantized_outputs_fails_on_a_weight_transposed_while_loading(monkeypatch, prompt):
+    def transpose(state_dict):
+        key = "model.layers.0.self_attn.q_proj.weight"
+        state_dict[key] = state_dict[key][:].T.contiguous()
+
+    break_loader(monkeypatch, transpose)
+    with pytest.raises(ToleranceExceeded, match=r"^1 quantized layers hold weights off the nf4 grid of the checkpoint "
+                                                r"\(model\.layers\.\*\.self_attn\.q_proj\): worst error in half code steps"):
+        family("load_quantized_outputs").test_quantized_model_reproduces_the_checkpoint(LLAMA3, "nf4", True, torch.bfloat16, False, prompt)
+
+
+def test_quantized_outputs_fails_on_a_quantized_layer_left_at_its_initialisation(monkeypatch, prompt):
+    break_loader(monkeypatch, lambda state_dict: state_dict.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ToleranceExceeded, match=r"^1 quantized layers hold weights off the int8 grid of the checkpoint \(model\.layers\.\*\.mlp\.up_proj\)"):
+        family("load_quantized_outputs").test_quantized_model_reproduces_the_checkpoint(LLAMA3, "int8", False, torch.float16, False, prompt)
+
+
+def test_quantized_outputs_fails_on_an_unquantized_weight_not_loaded(monkeypatch, prompt):
+    break_loader(monkeypatch, lambda state_dict: state_dict.pop("model.embed_tokens.weight"))
+    with pytest.raises(AssertionError, match=r"^\d+ weights bitsandbytes leaves unquantized differ from the checkpoint: model\.embed_tokens"):
+        family("load_quantized_outputs").test_quantized_model_reproduces_the_checkpoint(LLAMA3, "fp4", False, torch.float32, False, prompt)
+
+
+def test_auto_device_map_fails_when_the_map_is_sized_in_bf16(monkeypatch, tmp_path, prompt):
+    """axolotl PR #3512's class: the map planned at the weights' bf16 size spills a model that fits in 4-bit."""
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+    monkeypatch.setattr(Bnb4BitHfQuantizer, "param_element_size", lambda self, model, name, param: param.element_size())
+    with pytest.raises(AssertionError, match=r"^device_map='auto' spills a model that fits max_memory \(1\.5x its footprint\) off cpu: "):
+        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, NF4, 1.5, tmp_path / "offload", prompt)
+
+
+def test_auto_device_map_fails_when_module_sizes_are_undercounted(monkeypatch, tmp_path, prompt):
+    """transformers PR #42290's class: sizes that leave out part of the weights give a map over the budget."""
+    import transformers.integrations.accelerate as hf_accelerate
+
+    sizes = hf_accelerate.compute_module_sizes
+
+    def halved(*args, **kwargs):
+        all_sizes, leaves = sizes(*args, **kwargs)
+        return type(all_sizes)(int, {name: size // 2 for name, size in all_sizes.items()}), leaves
+
+    monkeypatch.setattr(hf_accelerate, "compute_module_sizes", halved)
+    with pytest.raises(ToleranceExceeded, match=r"^device_map='auto' places more on cpu than max_memory allows: bytes placed / budget"):
+        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, NF4, 0.9, tmp_path / "offload", prompt)
