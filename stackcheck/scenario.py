@@ -7,6 +7,7 @@ scenario`). Each lives in the module of its phase of the user's journey, under `
 - `place`: dispatch, offload and memory budgets;
 - `adapt`: PEFT adapters, loaded or fresh;
 - `train`: the training batch and steps;
+- `merge`: merging an adapter, and the measures a merge is judged by;
 - `generate`: prompt, logits and decoding.
 
 Each helper calls the public entry point whose code path users go through, and the `require_*` helpers turn a
@@ -20,3 +21,4 @@ from stackcheck.harness.place import *  # noqa: F401,F403
 from stackcheck.harness.adapt import *  # noqa: F401,F403
 from stackcheck.harness.train import *  # noqa: F401,F403
 from stackcheck.harness.generate import *  # noqa: F401,F403
+from stackcheck.harness.merge import *  # noqa: F401,F403
