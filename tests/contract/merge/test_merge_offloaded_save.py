@@ -1,0 +1,54 @@
+"""A merge into a bf16 base that does not fit its memory budget works, saves, and reloads to the merged outputs.
+
+The user's journey, step 5, on a machine smaller than the model: the bf16 base loads with `device_map="auto"` and a
+`max_memory` it does not fit (the rest offloaded: to the CPU from a GPU, to disk in the CPU lane), the adapter goes
+on with the same budget (`PeftModel.from_pretrained(..., max_memory=...)`, so PEFT's redispatch offloads as the base
+was), `merge_and_unload` merges into layers whose weights live in an offload map, and `save_pretrained` writes the
+merged model, which a fresh `from_pretrained` on the main device loads.
+
+Properties: the merged model keeps the adapter's effect (the merge_parity measure, against the adapter on the
+unsplit base); the saved model reloads to the merged model's logits.
+
+Upstream: transformers#47333 and #47332 (save_pretrained of a disk-offloaded model fails; fixed by transformers PR
+#47018), peft PR #3468 (PEFT's disk-offload index keyed wrongly: the adapter cannot load onto a disk-offloaded
+base), peft PR #1431 (merging into disk-offloaded modules).
+
+Precondition proven: the base really was offloaded (its map names the offload device, and those modules sit on
+meta), and still is after PEFT's load; the adapter changes the outputs of the unsplit base.
+
+Tolerance: the merge as merge_parity's (10% of the adapter's effect); the reload 1% of the adapter's effect.
+Measured (CPU lane): see docs/contract-adapt-merge.md.
+"""
+
+from stackcheck import scenario
+from stackcheck.models import tiny
+
+RELOAD_TOLERANCE = 0.01
+
+
+def test_merge_of_an_offloaded_base_saves_and_reloads(under_test, prompt, tmp_path):
+    unsplit = scenario.load_base(under_test, quantized=False)
+    base_logits = scenario.logits(unsplit, prompt)
+    adapter_logits = scenario.logits(scenario.peft_load(under_test, unsplit, "language"), prompt)
+    scenario.require_adapter_changes(adapter_logits, base_logits, "the unsplit base")
+    budget = scenario.offloading_budget(under_test, unsplit)
+    del unsplit
+
+    base = scenario.load_base(under_test, quantized=False, device_map="auto", max_memory=budget, offload_folder=str(tmp_path / "base"))
+    offload = scenario.offload_device(under_test.device)
+    offloaded = [name for name, device in getattr(base, "hf_device_map", {}).items() if device == offload]
+    scenario.require(offloaded and scenario.offloaded_modules(base, offloaded) == offloaded,
+                     f"the base was not offloaded to {offload} under {budget}: {getattr(base, 'hf_device_map', None)}")
+    model = scenario.peft_load(under_test, base, "language", max_memory=budget, offload_dir=str(tmp_path / "peft"))
+    scenario.require(any(p.device.type == "meta" for p in model.parameters()), "PEFT's load brought the whole model back from offload")
+
+    merged = model.merge_and_unload()
+
+    scenario.require(not scenario.lora_wrapped(merged), "merge_and_unload left LoRA layers in place")
+    merged_logits = scenario.logits(merged, prompt)
+    scenario.assert_merge_keeps_effect("offloaded bf16", merged_logits, adapter_logits, base_logits)
+    merged.save_pretrained(tmp_path / "merged")
+    reloaded = scenario.load_pretrained(tiny.model_class(under_test.arch), tmp_path / "merged", False, False,
+                                        {"": scenario.device_key(under_test.device)})
+    error = ((scenario.logits(reloaded, prompt) - merged_logits).norm() / (adapter_logits - base_logits).norm()).item()
+    scenario.assert_within("the saved merge reloads otherwise: relative logit error (of the adapter's effect)", error, RELOAD_TOLERANCE)
