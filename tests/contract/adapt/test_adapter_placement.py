@@ -19,7 +19,9 @@ placement; without it PEFT moves the modules back, which `peft_redispatch_placem
 really runs offloaded.
 
 Upstream: peft#2787 (open: `PeftModel.from_pretrained` with the base on cuda:1 gives the base's outputs), peft
-PR #3468 (disk offloading matched the wrong keys: the adapter's weights never reach the offload index).
+PR #3468 (disk offloading matched the wrong keys). Met on the mixtures of experts: on an offloaded layer whose fused
+experts carry LoRA (Qwen3-MoE's all-linear on peft >= 0.20), peft 0.21 raises at the forward
+(`peft_param_lora_offloaded_autocast`) and peft 0.20.0 is silently wrong (the effect kept off by 0.517, or NaN).
 
 Precondition proven: the reference adapter changes the outputs; the 4-bit base is NF4 with nested quant state;
 the placement is what it says (whole on the main device, on cuda:1, or its modules on meta behind accelerate's
@@ -28,9 +30,10 @@ hooks, before and after PEFT's load); the offloaded layer carries LoRA layers.
 Measure (judged by mechanism): the share of the adapter's effect kept (`scenario.effect_kept`: the placed model's
 change from the reference base, projected on the change the adapter makes on the unsplit base, the same modules
 kept in bf16). A dropped adapter keeps 0, one applied twice keeps 2. Tolerance: |1 - effect kept| <= 0.05.
-Measured (CPU lane, seed and latest): 1.0000 on every architecture and placement where PEFT loads; against the
-all-4-bit reference instead of the like-quantized one (the last layer's NF4 rounding as noise) it moves by 0.0005
-to 0.0024, while dropping the LoRA of the offloaded layer alone keeps about half (see the guard test).
+Measured (CPU lane, seed and latest): 0.0000 in every cell PEFT loads (the placed model computes what the unsplit
+one does, bit for bit); against the all-4-bit reference instead of the like-quantized one (the offloaded layer's
+NF4 rounding as noise) it moves by 0.0005 (Llama 3) and 0.0024 (Gemma 4); the adapter left off on the offloaded
+layer alone measures 0.4805 (Llama 3, the guard test), left off everywhere 1.0000.
 """
 
 import pytest
