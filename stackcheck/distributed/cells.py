@@ -1,8 +1,18 @@
 """The pytest side of the distributed lane: a family test's `ranks` fixture (stackcheck.plugin) launches its job
-through `Ranks`, and `WORLD_SIZES` parametrizes it."""
+through `Ranks`, and `WORLD_SIZES` parametrizes it.
+
+A cell's CPU variant (two gloo ranks) is one of three kinds:
+- it runs in the CPU lane (CI), where it reproduces something the GPU lane does not show, or is the lane's only proof;
+- `cpu_costly=REASON`: it runs on the CPU, but CI's 2 cores (about 30 s a job) would pay for nothing the GPU lane does
+  not show: a visible skip by default, run with STACKCHECK_DIST_CPU=all (`STACKCHECK_DIST_CPU=all pytest
+  tests/contract/distributed --stackcheck-lanes=cpu` proves the families' code on a machine without GPUs);
+- `gpu_only=REASON`: it cannot run on the CPU (bitsandbytes' CUDA optimizers, the Trainer's FSDP, which accelerate
+  makes DDP on a CPU host): a visible skip.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +26,16 @@ CPU_WORLD_SIZE = 2
 WORLD_SIZES = pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.gpus(2))], ids=["ws1", "ws2"])
 # A job of the tiny models takes 25 s on 2 shared cores (two ranks of 12 s each); a rank that takes this long hangs.
 DEFAULT_TIMEOUT = 180.0
+# STACKCHECK_DIST_CPU=all: the CPU lane also runs the cells left out of the default run for their cost.
+CPU_SELECTION_ENV = "STACKCHECK_DIST_CPU"
+
+
+def every_cpu_variant() -> bool:
+    """Whether STACKCHECK_DIST_CPU=all asks for every CPU variant; another value is a user error (one line)."""
+    value = os.environ.get(CPU_SELECTION_ENV, "")
+    if value not in ("", "all"):
+        raise pytest.UsageError(f"{CPU_SELECTION_ENV}={value!r}: the only value is 'all' (every cell's CPU variant)")
+    return value == "all"
 
 
 class Ranks:
@@ -25,16 +45,20 @@ class Ranks:
         self.node, self.lane, self.workdir = node, lane, workdir
 
     def __call__(self, target: str, world_size: int, engine: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 gpu_only: str | None = None, **kwargs) -> list[RankOutcome]:
+                 gpu_only: str | None = None, cpu_costly: str | None = None, engine_options: dict | None = None,
+                 **kwargs) -> list[RankOutcome]:
         """Run `target` (MODULE:FUNCTION of the test's module, called with `kwargs` on every rank); raise
         RanksFailed unless every rank passed. Returns the outcomes (with what each rank's function returned).
-        `gpu_only`: why the cell has no gloo variant (a visible skip in the CPU lane): CI's 2 cores pay about 30 s
-        for each two-rank job, so a contract cell runs there only where its CPU variant reproduces something."""
+        `gpu_only`: why the cell has no gloo variant; `cpu_costly`: why its gloo variant is left out of the default
+        CPU lane (both visible skips: see the module's docstring). `engine_options`: keys of the engine's accelerate
+        config changed for this cell (`fsdp_config` entries by their name), as a user edits the file."""
         if self.lane == "cpu" and world_size != CPU_WORLD_SIZE:
             pytest.skip(f"CPU lane: the gloo variant runs {CPU_WORLD_SIZE} ranks")
         if self.lane == "cpu" and gpu_only:
             pytest.skip(f"CPU lane: GPU lane only ({gpu_only})")
-        outcomes = launcher.launch(target, self.workdir / "job", world_size, engine, self.lane, timeout, kwargs)
+        if self.lane == "cpu" and cpu_costly and not every_cpu_variant():
+            pytest.skip(f"CPU lane: left out of the default run ({cpu_costly}); {CPU_SELECTION_ENV}=all runs it")
+        outcomes = launcher.launch(target, self.workdir / "job", world_size, engine, self.lane, timeout, kwargs, engine_options)
         self.node.stackcheck_ranks = outcomes
         raise_unless_passed(outcomes)
         return outcomes

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from stackcheck import REPO_ROOT
 from stackcheck.distributed import rank as rank_side
-from stackcheck.distributed.outcome import RankOutcome, RankState
+from stackcheck.distributed.outcome import RankOutcome, RankState, torn_down
 
 ENGINES_DIR = REPO_ROOT / "fixtures" / "distributed"
 # How long a hung rank gets to write its stacks after the signal.
@@ -37,13 +37,25 @@ TEARDOWN_GRACE_SECONDS = 10.0
 POLL_SECONDS = 0.1
 
 
-def engine_config(engine: str) -> Path:
-    """fixtures/distributed/<engine>.yaml: fsdp1, fsdp2, zero3."""
+def engine_config(engine: str, options: dict | None = None, outdir: Path | None = None) -> Path:
+    """fixtures/distributed/<engine>.yaml (ddp, fsdp1, fsdp2, zero3, zero3-moe); with `options`, a copy in `outdir`
+    with those keys changed, as a user edits the file: a key of the file's `fsdp_config` (or `deepspeed_config`) is
+    changed there, any other at the top level. The job's command line names the copy."""
     path = ENGINES_DIR / f"{engine}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in ENGINES_DIR.glob("*.yaml")))
         raise ValueError(f"no accelerate config for engine '{engine}' in {ENGINES_DIR} (engines: {known})")
-    return path
+    if not options:
+        return path
+    import yaml
+
+    config = yaml.safe_load(path.read_text())
+    for key, value in options.items():
+        section = next((config[name] for name in ("fsdp_config", "deepspeed_config") if key in config.get(name, {})), config)
+        section[key] = value
+    edited = outdir / f"{engine}.yaml"
+    edited.write_text(f"# {path.relative_to(REPO_ROOT)} with {options}\n" + yaml.safe_dump(config, sort_keys=False))
+    return edited
 
 
 def free_port() -> int:
@@ -52,19 +64,21 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def command(target: str, outdir: Path, world_size: int, engine: str | None, port: int) -> list[str]:
+def command(target: str, outdir: Path, world_size: int, engine: str | None, port: int,
+            engine_options: dict | None = None) -> list[str]:
     """The user's launch line: accelerate launch with the engine's config file, or torchrun."""
     rank_program = ["-m", rank_side.__name__, target, str(outdir)]
     if engine is None:
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}", f"--master_port={port}", *rank_program]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(engine_config(engine)),
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(engine_config(engine, engine_options, outdir)),
             "--num_processes", str(world_size), "--main_process_port", str(port), *rank_program]
 
 
 def launch(target: str, outdir: Path, world_size: int = 2, engine: str | None = None, lane: str = "cpu",
-           timeout: float = 240.0, kwargs: dict | None = None) -> list[RankOutcome]:
-    """Run `target` (MODULE:FUNCTION, called with `kwargs`) on `world_size` ranks; every rank's outcome, by rank.
-    Every process of the job is gone when this returns."""
+           timeout: float = 240.0, kwargs: dict | None = None, engine_options: dict | None = None) -> list[RankOutcome]:
+    """Run `target` (MODULE:FUNCTION, called with `kwargs`) on `world_size` ranks, launched with the engine's config
+    (changed by `engine_options`, see engine_config); every rank's outcome, by rank. Every process of the job is gone
+    when this returns."""
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "call.json").write_text(json.dumps(kwargs or {}))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
@@ -72,7 +86,7 @@ def launch(target: str, outdir: Path, world_size: int = 2, engine: str | None = 
     if lane == "cpu":  # the CPU lane's ranks see no GPU even on a GPU host, as the CPU lane's tests keep to the CPU
         env["CUDA_VISIBLE_DEVICES"] = ""
     with (outdir / "launcher.log").open("w") as log:
-        job = subprocess.Popen(command(target, outdir, world_size, engine, free_port()), cwd=REPO_ROOT, env=env,
+        job = subprocess.Popen(command(target, outdir, world_size, engine, free_port(), engine_options), cwd=REPO_ROOT, env=env,
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             hung_after = wait(job, outdir, world_size, timeout)
@@ -116,12 +130,13 @@ def written_states(outdir: Path, world_size: int) -> dict[int, RankState]:
 def outcomes(outdir: Path, world_size: int, hung_after: float | None, returncode: int | None) -> list[RankOutcome]:
     """Every rank's outcome. A rank with no outcome of its own (neither it nor its supervisor wrote one: something
     outside killed both) beside a rank that failed or died was torn down with the job after that failure, as torch's
-    agent does: stopped, not dead. Alone, it died."""
+    agent does: stopped, not dead. Alone, it died. A rank that failed only in a collective whose peer was gone is
+    stopped too (outcome.torn_down)."""
     written = {rank: rank_side.outcome_path(outdir, rank).exists() for rank in range(world_size)}
     found = [outcome(outdir, rank, hung_after, returncode) for rank in range(world_size)]
     failed_elsewhere = any(written[o.rank] and o.state in (RankState.FAILED, RankState.DIED) for o in found)
-    return [RankOutcome(o.rank, RankState.STOPPED, stacks=o.stacks)
-            if failed_elsewhere and not written[o.rank] and o.state == RankState.DIED else o for o in found]
+    return torn_down([RankOutcome(o.rank, RankState.STOPPED, stacks=o.stacks)
+                      if failed_elsewhere and not written[o.rank] and o.state == RankState.DIED else o for o in found])
 
 
 def dump_stacks(outdir: Path, world_size: int) -> None:

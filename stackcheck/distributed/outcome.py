@@ -9,8 +9,9 @@ launcher ended it after another rank failed: no verdict of its own).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -62,6 +63,26 @@ def hang_message(rank: int, seconds: float | None) -> str:
     return f"rank {rank} hung after {seconds:.0f} s"
 
 
+# A collective that failed because a peer's process is gone: gloo's TCP pair reads the connection closed or reset (at
+# once, on the CPU lane), NCCL reports the remote process or aborts the communicator.
+PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|remote process exited|NCCL communicator was aborted")
+
+
+def lost_its_peer(outcome: RankOutcome) -> bool:
+    return outcome.state == RankState.FAILED and outcome.failure is not None and bool(PEER_LOST.search(outcome.failure.message))
+
+
+def torn_down(outcomes: list[RankOutcome]) -> list[RankOutcome]:
+    """A rank whose only failure is a collective that lost its peer, beside a rank that failed or died on its own, was
+    torn down with the job: stopped (its failure kept for the record), as a rank still waiting in the collective when
+    the launcher reaps the job is. Without this a gloo job's verdict depended on timing: the waiting rank reads
+    'Connection closed by peer' within the launcher's grace on a fast machine and not on a slow one, and an unknown
+    signature beside a known bug made the cell a new failure. A job whose only failures are lost peers keeps them."""
+    if not any(o.state in (RankState.FAILED, RankState.DIED) and not lost_its_peer(o) for o in outcomes):
+        return outcomes
+    return [replace(o, state=RankState.STOPPED) if lost_its_peer(o) else o for o in outcomes]
+
+
 class RanksFailed(Exception):
     """A launched job in which some rank did not pass: carries every rank's outcome to the plugin, which judges
     each and combines them (`judge_ranks`)."""
@@ -110,9 +131,11 @@ def judge_ranks(outcomes: list[RankOutcome], judge: Callable[[Failure], Judgemen
 
 
 def rank_record(outcome: RankOutcome, judgement: Judgement | None) -> dict:
-    """One rank's entry in the cell (`ranks`): its state, verdict, signature, and the stacks of a hung or dead rank."""
+    """One rank's entry in the cell (`ranks`): its state, verdict, signature (a stopped rank's own failure, where it
+    had one), and the stacks of a hung or dead rank."""
+    signature = judgement.signature if judgement else (outcome.failure.signature() if outcome.failure else None)
     record = {"rank": outcome.rank, "state": str(outcome.state), "verdict": str(judgement.verdict) if judgement else None,
-              "signature": judgement.signature if judgement else None, "bug": judgement.bug if judgement else None}
+              "signature": signature, "bug": judgement.bug if judgement else None}
     if outcome.stacks:
         record["stacks"] = outcome.stacks
     if outcome.result:

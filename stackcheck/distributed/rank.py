@@ -109,6 +109,7 @@ def work(target: str, outdir: Path) -> int:
     module_name, _, function_name = target.partition(":")
     kwargs = json.loads((outdir / "call.json").read_text())
     try:
+        keep_deepspeed_from_building_its_cpu_shm_op()
         result = getattr(importlib.import_module(module_name), function_name)(**kwargs)
     except Exception as exc:  # noqa: BLE001 - every exception of the rank's function is its outcome
         not_reached = "ScenarioNotReached" in (k.__name__ for k in type(exc).__mro__)
@@ -125,6 +126,32 @@ def _leave_process_group() -> None:
     distributed = sys.modules.get("torch.distributed")
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
         distributed.destroy_process_group()
+
+
+# DeepSpeed's shared-memory all-reduce, the one op its CPU accelerator compiles at `init_distributed`.
+DEEPSPEED_CPU_SHM_OP = "deepspeed_shm_comm"
+
+
+def keep_deepspeed_from_building_its_cpu_shm_op() -> None:
+    """On the CPU lane, in a DeepSpeed launch: mark DeepSpeed's CPU shared-memory all-reduce op as not buildable, so
+    that its `TorchBackend` (every `init_distributed`: accelerate's, the Trainer's) does not compile it.
+
+    Why: DeepSpeed's CPU accelerator JIT-compiles that op (`build_shm_op`, deepspeed/comm/torch.py; C++ with OpenMP,
+    into ~/.cache/torch_extensions) the first time a process group starts, whatever the job. On a loaded 2-core machine
+    its shm.cpp alone took 3 min 21 s to compile (the build folder's timestamps), longer than a job's 180 s timeout; and
+    a build killed there leaves torch's `lock` file behind, on which every later DeepSpeed CPU job of the machine waits forever (`FileBaton.wait`: every
+    ZeRO-3 CPU cell then reads hung). What the op does: `inference_all_reduce`, which only DeepSpeed's inference and
+    AutoTP layers call (deepspeed/module_inject/layers.py); ZeRO-3 training never does. DeepSpeed's own switch is the
+    dict of buildable ops it reads there (`deepspeed.ops.__compatible_ops__`), probed once per process: `False` makes
+    `build_shm_op` return None, the path of a platform without the op. The GPU lane is left alone: the CUDA accelerator
+    has no such op, so on a GPU DeepSpeed never builds it (this makes the CPU lane take the GPU's path)."""
+    if lane() != "cpu" or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return
+    try:
+        import deepspeed.ops
+    except ImportError:
+        return
+    deepspeed.ops.__compatible_ops__[DEEPSPEED_CPU_SHM_OP] = False
 
 
 # The rank's function's side.

@@ -15,7 +15,7 @@ import pytest
 
 from stackcheck import REPO_ROOT
 from stackcheck.distributed import launcher
-from stackcheck.distributed.outcome import RankOutcome, RankState, combine, judge_rank, judge_ranks
+from stackcheck.distributed.outcome import RankOutcome, RankState, combine, judge_rank, judge_ranks, torn_down
 from stackcheck.ledger import ERROR, FIXED, KNOWN_BUG, NEW_FAILURE, PASS, Failure, Judgement
 
 HERE = "tests.harness.test_distributed"
@@ -59,6 +59,18 @@ def rank_one_raises_rank_zero_waits() -> dict:
     return {}
 
 
+def rank_one_raises_rank_zero_in_a_collective() -> dict:
+    """Rank 0 waits in a gloo all-reduce for rank 1, which raises first: gloo tells rank 0 its peer is gone."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if this_rank() == 1:
+        raise RuntimeError("rank one's own error")
+    dist.all_reduce(torch.ones(1))
+    return {}
+
+
 def rank_one_segfaults() -> dict:
     if this_rank() == 1:
         ctypes.string_at(0)
@@ -77,6 +89,14 @@ def rank_not_reached() -> dict:
 
     require(False, "the precondition")
     return {}
+
+
+def rank_deepspeed_process_group() -> dict:
+    """DeepSpeed's own process group over gloo, as accelerate and the Trainer start it under a DeepSpeed launch."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    return {"world_size": deepspeed.comm.get_world_size()}
 
 
 def no_process_of(outdir) -> bool:
@@ -111,6 +131,21 @@ def test_once_a_rank_failed_the_job_is_torn_down_without_waiting_for_the_agent(t
     assert no_process_of(tmp_path / "job")
 
 
+def test_a_rank_that_lost_its_peer_in_a_collective_was_torn_down_with_the_job(tmp_path):
+    outcomes = launcher.launch(f"{HERE}:rank_one_raises_rank_zero_in_a_collective", tmp_path / "job", timeout=120)
+    assert [o.state for o in outcomes] == [RankState.STOPPED, RankState.FAILED], [o.describe() for o in outcomes]
+    judgement, records = judge_ranks(outcomes, lambda failure: Judgement(KNOWN_BUG, bug="the bug", signature=failure.signature()))
+    assert (judgement.verdict, judgement.bug) == (KNOWN_BUG, "the bug")
+    # rank 0 read gloo's lost peer (its error kept for the record), or was still waiting when the job was reaped
+    assert records[0]["verdict"] is None and (records[0]["signature"] is None or "peer" in records[0]["signature"])
+
+
+def test_lost_peers_alone_keep_their_failures():
+    lost = RankOutcome(0, RankState.FAILED, Failure("RuntimeError", ("RuntimeError",), "[pair.cc:553] Connection closed by peer [127.0.0.1]:1", ()))
+    assert torn_down([lost, RankOutcome(1, RankState.PASSED)])[0].state == RankState.FAILED
+    assert torn_down([lost, failed(1, "its own")])[0].state == RankState.STOPPED
+
+
 def test_a_hung_rank_is_an_error_with_its_stacks_and_every_process_is_reaped(tmp_path):
     started = time.monotonic()
     outcomes = launcher.launch(f"{HERE}:rank_one_hangs", tmp_path / "job", timeout=HANG_TIMEOUT)
@@ -142,6 +177,38 @@ def test_a_rank_that_exits_died_with_its_code_and_output_under_accelerate_launch
     assert died.failure.message.splitlines() == ["rank 1 exited with code 3 without an outcome", "about to leave"]
     assert died.failure.signature() == "RankDied: rank 1 exited with code 3 without an outcome @ ?"
     assert no_process_of(tmp_path / "job")
+
+
+def test_a_deepspeed_cpu_job_neither_builds_the_shm_op_nor_waits_on_a_stale_build_lock(tmp_path, monkeypatch):
+    """A DeepSpeed launch on the CPU lane starts its process group without compiling DeepSpeed's CPU shared-memory op
+    (rank.keep_deepspeed_from_building_its_cpu_shm_op): here the op's build folder holds the `lock` a killed build
+    leaves, on which DeepSpeed's `init_distributed` would wait forever, and the job must pass well within its timeout."""
+    extensions = tmp_path / "torch_extensions"  # torch builds an extension NAME in $TORCH_EXTENSIONS_DIR/NAME
+    build = extensions / "deepspeed_shm_comm"
+    build.mkdir(parents=True)
+    (build / "lock").touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
+    outcomes = launcher.launch(f"{HERE}:rank_deepspeed_process_group", tmp_path / "job", engine="zero3", timeout=90)
+    assert [(o.state, o.result) for o in outcomes] == [(RankState.PASSED, {"world_size": 2})] * 2, [o.describe() for o in outcomes]
+    assert [str(p.relative_to(extensions)) for p in extensions.rglob("*")] == ["deepspeed_shm_comm", "deepspeed_shm_comm/lock"]
+
+
+def test_the_bench_writes_its_json_when_only_the_distributed_case_ran(tmp_path):
+    """`-k` selecting the distributed case alone: pytest-benchmark writes no JSON when no benchmark of its own ran, and
+    `stackcheck bench` then read "no bench results for the baseline"; tests/benchmarks/conftest.py writes it. On the
+    CPU the world size 1 cell is recorded as not measured without a launch, so this costs one pytest start."""
+    from stackcheck.bench import compare as bench_compare, report as bench_report
+
+    out = tmp_path / "seed.json"
+    completed = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "benchmark", "--stackcheck-bench-smoke",
+                                f"--benchmark-json={out}", "tests/benchmarks/test_bench_distributed.py", "-k", "tiny-fsdp2-ws1"],
+                               cwd=REPO_ROOT, capture_output=True, text=True)
+    assert completed.returncode == 0 and out.exists(), completed.stdout[-3000:] + completed.stderr[-3000:]
+    run = bench_compare.load(out)  # the shape `stackcheck bench` reads
+    assert run["benchmarks"] == [] and run["stackcheck"]["set"] is not None
+    assert [(c["engine"], c["world_size"], "not_measured" in c) for c in run["stackcheck"]["distributed"]] == [("fsdp2", 1, True)]
+    bench_report.render({"seed": run}, "seed", tmp_path / "bench.md", tmp_path / "bench")
+    assert "fsdp2" in (tmp_path / "bench.md").read_text()
 
 
 def test_an_unreached_scenario_on_a_rank_is_not_reached(tmp_path):
