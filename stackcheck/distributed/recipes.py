@@ -19,16 +19,23 @@ def optimizer_for(model) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
 
 
-def lora_on(under_test, base, use_reentrant: bool | None = None):
+# The adapter with a module trained whole beside the LoRA (PEFT's `modules_to_save`): the final norm, a float module
+# of the root that no LoRA targets and no weight is tied to (a tied lm_head is another matter than a checkpoint's).
+MODULES_TO_SAVE = {"modules_to_save": ["model.norm"]}
+
+
+def lora_on(under_test, base, use_reentrant: bool | None = None, lora: dict | None = None):
     """The QLoRA recipe on `base` (`scenario.qlora_model`), its LoRA from LORA_SEED; with `use_reentrant`, the
-    gradient checkpointing `prepare_model_for_kbit_training` turns on is asked for in that mode."""
+    gradient checkpointing `prepare_model_for_kbit_training` turns on is asked for in that mode; `lora`: LoraConfig
+    arguments beside the fixture's (MODULES_TO_SAVE)."""
     torch.manual_seed(LORA_SEED)
-    if use_reentrant is None:
+    if use_reentrant is None and not lora:
         return scenario.qlora_model(under_test, base)
     from peft import get_peft_model, prepare_model_for_kbit_training
 
-    prepared = prepare_model_for_kbit_training(base, gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
-    return get_peft_model(prepared, tiny.lora_config(under_test.arch, "language")).train()
+    checkpointing = {} if use_reentrant is None else {"gradient_checkpointing_kwargs": {"use_reentrant": use_reentrant}}
+    prepared = prepare_model_for_kbit_training(base, **checkpointing)
+    return get_peft_model(prepared, tiny.lora_config(under_test.arch, "language", **(lora or {}))).train()
 
 
 def quantization_config(quant_storage: torch.dtype = torch.uint8):
@@ -38,16 +45,18 @@ def quantization_config(quant_storage: torch.dtype = torch.uint8):
     return config
 
 
-def fsdp_qlora_model(under_test, base=None, quant_storage: torch.dtype = torch.uint8, use_reentrant: bool | None = None):
+def fsdp_qlora_model(under_test, base=None, quant_storage: torch.dtype = torch.uint8, use_reentrant: bool | None = None,
+                     lora: dict | None = None):
     """The FSDP-QLoRA recipe: NF4 with double quant in `quant_storage` (bitsandbytes' default uint8; bf16 is the
     storage FSDP can shard with the rest), on the rank's device (`base` when the caller loaded it, to prove something
     of it first)."""
     if base is None:
         base = scenario.load_base(under_test, quantization_config=quantization_config(quant_storage))
-    return lora_on(under_test, base, use_reentrant)
+    return lora_on(under_test, base, use_reentrant, lora)
 
 
-def zero3_qlora_model(under_test, quant_storage: torch.dtype = torch.bfloat16, use_reentrant: bool | None = None):
+def zero3_qlora_model(under_test, quant_storage: torch.dtype = torch.bfloat16, use_reentrant: bool | None = None,
+                      lora: dict | None = None):
     """The ZeRO-3 QLoRA recipe of the PEFT guide: the 4-bit weights stored as bf16, so ZeRO-3 can flatten them with the
     rest. No device map: transformers refuses one under ZeRO-3, and a quantized load without one goes to the current
     CUDA device (`{"": torch.cuda.current_device()}`), which is the rank's once accelerate (or the Trainer's
@@ -60,7 +69,7 @@ def zero3_qlora_model(under_test, quant_storage: torch.dtype = torch.bfloat16, u
     config = quantization_config(quant_storage)
     arch = under_test.arch
     return lora_on(under_test, scenario.load_pretrained(tiny.model_class(arch), tiny.base_checkpoint(arch), True, True, None,
-                                                        quantization_config=config), use_reentrant)
+                                                        quantization_config=config), use_reentrant, lora)
 
 
 def deepspeed_stage3_accelerator():
@@ -89,20 +98,23 @@ def engine_accelerator(engine: str):
     return accelerator
 
 
-def engine_model(under_test, engine: str, use_reentrant: bool | None = None):
-    """The engine's QLoRA recipe in the storage it shards: FSDP2 and ZeRO-3 in bf16 (FSDP1: see storage_model)."""
+def engine_model(under_test, engine: str, use_reentrant: bool | None = None, lora: dict | None = None):
+    """The engine's QLoRA recipe in the storage it shards: bf16 (FSDP1 with every float parameter in bf16 too: see
+    storage_model)."""
     if engine == "zero3":
-        return zero3_qlora_model(under_test, use_reentrant=use_reentrant)
-    return fsdp_qlora_model(under_test, quant_storage=torch.bfloat16, use_reentrant=use_reentrant)
+        return zero3_qlora_model(under_test, use_reentrant=use_reentrant, lora=lora)
+    if engine == "fsdp1":
+        return storage_model(under_test, engine, torch.bfloat16, use_reentrant, lora)
+    return fsdp_qlora_model(under_test, quant_storage=torch.bfloat16, use_reentrant=use_reentrant, lora=lora)
 
 
-def storage_model(under_test, engine: str, quant_storage: torch.dtype):
+def storage_model(under_test, engine: str, quant_storage: torch.dtype, use_reentrant: bool | None = None, lora: dict | None = None):
     """The engine's QLoRA recipe with the 4-bit weights in `quant_storage`. FSDP1 flattens a unit into one dtype, so
     with a float storage every float parameter beside the 4-bit weights is cast to it (fsdp1_quant_storage's control;
     fp32 storage is then the QLoRA recipe as it is, its trainables being fp32 already)."""
     if engine == "zero3":
-        return zero3_qlora_model(under_test, quant_storage)
-    model = fsdp_qlora_model(under_test, quant_storage=quant_storage)
+        return zero3_qlora_model(under_test, quant_storage, use_reentrant, lora)
+    model = fsdp_qlora_model(under_test, quant_storage=quant_storage, use_reentrant=use_reentrant, lora=lora)
     if engine == "fsdp1" and quant_storage.is_floating_point:
         for param in model.parameters():
             if type(param).__name__ != "Params4bit" and param.is_floating_point():
@@ -146,11 +158,17 @@ def sharded_steps(accelerator, model, optimizer, batch: dict[str, torch.Tensor],
     return losses
 
 
+def is_adapter_weight(name: str) -> bool:
+    """A weight the adapter trains: a LoRA factor, or a module PEFT trains whole (`modules_to_save`)."""
+    return "lora_" in name or ".modules_to_save." in name
+
+
 def lora_weights(model, engine: str) -> dict[str, torch.Tensor]:
-    """Every LoRA weight in full, by its plain name, gathered from the ranks where the engine shards it."""
+    """Every weight the adapter trains (`is_adapter_weight`) in full, by its plain name, gathered from the ranks where
+    the engine shards it."""
     from stackcheck.distributed.memory import plain_name
 
-    named = {name: p for name, p in model.named_parameters() if "lora_" in name}
+    named = {name: p for name, p in model.named_parameters() if is_adapter_weight(name)}
     if engine == "zero3" and any(hasattr(p, "ds_tensor") for p in named.values()):
         import deepspeed
 
@@ -160,7 +178,7 @@ def lora_weights(model, engine: str) -> dict[str, torch.Tensor]:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         with FSDP.summon_full_params(model):
-            return {plain_name(name): p.detach().float().cpu().clone() for name, p in model.named_parameters() if "lora_" in name}
+            return {plain_name(name): p.detach().float().cpu().clone() for name, p in model.named_parameters() if is_adapter_weight(name)}
     return {plain_name(name): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
             for name, p in named.items()}
 
@@ -172,9 +190,24 @@ def distinct_rows(count: int) -> list[list[int]]:
     return [ids[row:] + ids[:row] for row in range(count)]
 
 
+def labelled(row: list[int]) -> dict[str, torch.Tensor]:
+    """One training example: its ids, and its labels with the first one -100. A causal LM's loss never predicts the
+    first token (the labels are shifted by one), so this changes no loss; it makes the Trainer's count of label tokens
+    the same whether it counts before the shift (transformers 5.6.2 to 5.10: one too many per sequence, which scales
+    the Trainer's loss by (L-1)/L, the train_equivalences family's `trainer_num_items_unshifted`) or after it
+    (5.23.0), so that the distributed families judge their own property on every release."""
+    ids = torch.tensor(row)
+    return {"input_ids": ids, "labels": torch.cat([torch.tensor([-100]), ids[1:]])}
+
+
 def rows_batch(rows: list[list[int]], device) -> dict[str, torch.Tensor]:
-    ids = torch.tensor(rows, device=device)
-    return {"input_ids": ids, "labels": ids}
+    examples = [labelled(row) for row in rows]
+    return {key: torch.stack([example[key] for example in examples]).to(device) for key in ("input_ids", "labels")}
+
+
+def rows_dataset(rows: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+    """The rows as the Trainer's dataset (see `labelled`)."""
+    return [labelled(row) for row in rows]
 
 
 def one_process_sgd(model, batch: dict[str, torch.Tensor], steps: int, learning_rate: float) -> dict[str, torch.Tensor]:
@@ -190,12 +223,25 @@ def one_process_sgd(model, batch: dict[str, torch.Tensor], steps: int, learning_
     return {name: after[name] - before[name] for name in before}
 
 
-def assert_same_update(what: str, update: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], tolerance: float) -> float:
+def update_scale(update: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """How many times the reference's update `update` is along it (the projection over every LoRA weight): 1 when the
+    steps agree, the factor when a loss was scaled (a world size, a GPU count), 0 when nothing moved along it."""
+    along = sum(float((update[name].double() * delta.double()).sum()) for name, delta in reference.items())
+    return along / sum(float(delta.double().square().sum()) for delta in reference.values())
+
+
+def assert_same_update(what: str, update: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], tolerance: float,
+                       scale_over: tuple[str, int] | None = None) -> float:
     """Every LoRA weight moved as in the reference (relative error of the change, over the weights the reference
-    moved); the worst relative error."""
+    moved); the worst relative error. The message says how many times the reference's update it is (`update_scale`),
+    which names a scaled loss by its factor; with `scale_over` (a name, a count), a failure is judged by that scale over
+    the count (the ledger's band of a loss scaled by exactly that count is about 1)."""
     scenario.require(update.keys() == reference.keys(), f"{what}: other LoRA weights than one process's")
     moved = [name for name, delta in reference.items() if delta.any()]
     scenario.require(moved, "one process's step moved no LoRA weight")
     worst = max(scenario.relative_error(update[name], reference[name]) for name in moved)
-    scenario.assert_within(f"{what}: the LoRA update differs from one process's on the whole batch, worst relative error", worst, tolerance)
+    scale = update_scale(update, reference)
+    judged_by = None if scale_over is None else (f"the update's scale over {scale_over[0]}", scale / scale_over[1])
+    scenario.assert_within(f"{what}: the LoRA update is {scale:.2f} times one process's on the whole batch, worst relative error",
+                           worst, tolerance, judged_by=judged_by)
     return worst
