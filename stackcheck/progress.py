@@ -13,8 +13,10 @@ import json
 import threading
 import time
 
+from stackcheck import protocol
+
 # Set by the command for a unit's pytest process: what the live line needs to know of the whole run.
-ENV = "STACKCHECK_PROGRESS"
+ENV = protocol.PROGRESS_ENV
 
 
 def minutes(seconds: float) -> str:

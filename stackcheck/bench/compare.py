@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from numbers import Real
 from pathlib import Path
 
+from stackcheck import protocol
 from stackcheck.results import read_checked_json
 
 # The test-only switch read by stackcheck.bench.harness.timed; see stackcheck.bench.harness.synthetic_slowdown.
-SYNTHETIC_SLOWDOWN_ENV = "STACKCHECK_BENCH_SYNTHETIC_SLOWDOWN"
+SYNTHETIC_SLOWDOWN_ENV = protocol.BENCH_SLOWDOWN_ENV
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from stackcheck.protocol import BENCH_REPEAT_OPTION, BENCH_SIZE_OPTION, BENCH_SMOKE_OPTION, SET_OPTION
+
 BANDWIDTH = pytest.StashKey[dict]()
 NOT_MEASURED = pytest.StashKey[list]()
 
@@ -18,16 +20,16 @@ def record_not_measured(config: pytest.Config, size: str, case: str, phase: str,
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("stackcheck bench")
-    group.addoption("--stackcheck-bench-size", choices=("tiny", "realistic", "all"), default="tiny",
+    group.addoption(BENCH_SIZE_OPTION, choices=("tiny", "realistic", "all"), default="tiny",
                     help="model size to benchmark (default: tiny)")
-    group.addoption("--stackcheck-bench-smoke", action="store_true",
+    group.addoption(BENCH_SMOKE_OPTION, action="store_true",
                     help="few tokens and rounds; runs on the CPU (one thread) when there is no GPU")
-    group.addoption("--stackcheck-bench-repeat", type=int, default=0, metavar="N",
+    group.addoption(BENCH_REPEAT_OPTION, type=int, default=0, metavar="N",
                     help="measure the 4-bit (nf4_dq) decode N more times in each mode, for its coefficient of variation")
 
 
 def bench_sizes(config: pytest.Config) -> list[str]:
-    size = config.getoption("--stackcheck-bench-size")
+    size = config.getoption(BENCH_SIZE_OPTION)
     return ["tiny", "realistic"] if size == "all" else [size]
 
 
@@ -53,7 +55,7 @@ def bench_device(request: pytest.FixtureRequest):
 
     device = bench.bench_device()
     if device.type == "cpu":
-        if not request.config.getoption("--stackcheck-bench-smoke"):
+        if not request.config.getoption(BENCH_SMOKE_OPTION):
             pytest.skip("the full bench needs a CUDA GPU; --stackcheck-bench-smoke runs the short CPU version")
         # On a shared 2-core CI machine, OpenMP's spin-waiting turns any other busy process into 10-30x
         # swings of the timings; one thread keeps the smoke run's numbers steady enough to compare.
@@ -76,11 +78,11 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json:
     from stackcheck.versions import installed_versions
 
     output_json["stackcheck"] = {
-        "set": config.getoption("--stackcheck-set"),
+        "set": config.getoption(SET_OPTION),
         "versions": installed_versions(),
         "device": hostinfo.device_name(config.stackcheck_platform),
         "platform": config.stackcheck_platform,
-        "mode": "smoke" if config.getoption("--stackcheck-bench-smoke") else "full",
+        "mode": "smoke" if config.getoption(BENCH_SMOKE_OPTION) else "full",
         "sizes": bench_sizes(config),
         "bandwidth": config.stash.get(BANDWIDTH, None),
         "cpu_threads": torch.get_num_threads(),

@@ -25,11 +25,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from stackcheck import protocol
 from stackcheck.distributed.outcome import RankOutcome, RankState
 from stackcheck.ledger import Failure
 
 STACKS_SIGNAL = signal.SIGUSR1
-LANE_ENV = "STACKCHECK_DIST_LANE"
+LANE_ENV = protocol.DIST_LANE_ENV
 OUTPUT_TAIL_LINES = 20
 
 

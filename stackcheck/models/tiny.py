@@ -20,13 +20,13 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from stackcheck import REPO_ROOT
+from stackcheck import REPO_ROOT, protocol
 
 if TYPE_CHECKING:
     from stackcheck.models.architectures import Architecture
 
 # A harness test points this elsewhere to break a precondition on purpose.
-FIXTURES_DIR = Path(os.environ.get("STACKCHECK_FIXTURES", REPO_ROOT / "fixtures"))
+FIXTURES_DIR = Path(os.environ.get(protocol.FIXTURES_ENV, REPO_ROOT / "fixtures"))
 SEED = 0
 # The fixtures this process built, with their seconds: the "fixture build" share of a run's cost breakdown.
 BUILT: list[tuple[str, float]] = []
@@ -69,7 +69,7 @@ def adapter_spec(arch: Architecture, name: str) -> dict:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("STACKCHECK_CACHE", REPO_ROOT / ".cache"))
+    return Path(os.environ.get(protocol.CACHE_ENV, REPO_ROOT / ".cache"))
 
 
 def _cache_dir(model: str, texts: tuple[str, ...]) -> Path:
