@@ -15,13 +15,15 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stackcheck import REPO_ROOT, lane, results
+from stackcheck import envs, lane, results
+from stackcheck.core.cell import Cell
 from stackcheck.bench import compare as bench_compare
 from stackcheck.ledger import ERROR, FIXED, NEW_FAILURE, NOT_AFFECTED, PASS
 from stackcheck.progress import Progress
+from stackcheck.protocol import MATRIX_FILE, RESULTS_DIR
 from stackcheck.versions import PACKAGES, UsageError, default_set, resolve
 
-DEFAULT_OUTPUT = REPO_ROOT / "results" / "gate"
+DEFAULT_OUTPUT = RESULTS_DIR / "gate"
 REGRESSION, IMPROVEMENT, CHANGE, SAME = "regression", "improvement", "change", "same"
 PASSING = (PASS, FIXED, NOT_AFFECTED)  # `fixed` passed too (the ledger only expected a bug there); `not_affected` has no bug
 
@@ -36,26 +38,26 @@ class Finding:
     detail: str = ""
 
 
-def _cells_by_family(data: dict) -> dict[str, list[dict]]:
+def _cells_by_family(data: dict) -> dict[str, list[Cell]]:
     """The cells of each family on each architecture (`family [arch]`; a family that builds no model: `family`),
     so that the gate compares like with like."""
-    families: dict[str, list[dict]] = {}
+    families: dict[str, list[Cell]] = {}
     for cell in data["cells"]:
-        subject = f"{cell['family']} [{cell['arch']}]" if cell.get("arch") else cell["family"]
+        subject = f"{cell.family} [{cell.arch}]" if cell.arch else cell.family
         families.setdefault(subject, []).append(cell)
     return families
 
 
-def _label(cells: list[dict]) -> str:
+def _label(cells: list[Cell]) -> str:
     """The worst verdict with its bugs, and when the cells differ, every verdict's count (skips included)."""
-    verdict = results.worst([c["verdict"] for c in cells])
-    bugs = sorted({c["bug"] for c in cells if c["verdict"] == verdict and c.get("bug")})
-    counts = f" [{results.summary_counts(cells)}]" if len({c["verdict"] for c in cells}) > 1 else ""
+    verdict = results.worst([c.verdict for c in cells])
+    bugs = sorted({c.bug for c in cells if c.verdict == verdict and c.bug})
+    counts = f" [{results.summary_counts(cells)}]" if len({c.verdict for c in cells}) > 1 else ""
     return verdict + (f" ({', '.join(bugs)})" if bugs else "") + counts
 
 
-def _describe(cell: dict) -> str:
-    return " ".join(part for part in (f"`{cell['test']}`: {cell['verdict']}", cell.get("signature"), cell.get("note") and f"({cell['note']})") if part)
+def _describe(cell: Cell) -> str:
+    return " ".join(part for part in (f"`{cell.test}`: {cell.verdict}", cell.signature, cell.note and f"({cell.note})") if part)
 
 
 def family_verdicts(baseline: dict, candidate: dict) -> list[Finding]:
@@ -67,9 +69,9 @@ def family_verdicts(baseline: dict, candidate: dict) -> list[Finding]:
     for family in sorted(before.keys() | after.keys()):
         old, new = before.get(family, []), after.get(family, [])
         old_label, new_label = (_label(cells) if cells else "not run" for cells in (old, new))
-        broken = [c for c in new if c["verdict"] in (NEW_FAILURE, ERROR)]
-        old_passes = bool(old) and results.worst([c["verdict"] for c in old]) in PASSING
-        new_passes = bool(new) and results.worst([c["verdict"] for c in new]) in PASSING
+        broken = [c for c in new if c.verdict in (NEW_FAILURE, ERROR)]
+        old_passes = bool(old) and results.worst([c.verdict for c in old]) in PASSING
+        new_passes = bool(new) and results.worst([c.verdict for c in new]) in PASSING
         if broken or not new or (old_passes and not new_passes):
             status = REGRESSION
             detail = "; ".join(_describe(c) for c in broken or new)
@@ -77,7 +79,7 @@ def family_verdicts(baseline: dict, candidate: dict) -> list[Finding]:
             status, detail = IMPROVEMENT, "fixed"
         else:
             status = SAME if old_label == new_label else CHANGE
-            detail = "; ".join(_describe(c) for c in new if c["verdict"] not in PASSING and c.get("note"))
+            detail = "; ".join(_describe(c) for c in new if c.verdict not in PASSING and c.note)
         findings.append(Finding("families", family, old_label, new_label, status, detail))
     return findings
 
@@ -101,7 +103,7 @@ def compare(baseline: dict, candidate: dict, checks=CHECKS) -> list[Finding]:
 
 def one_set(data: dict, name: str) -> dict:
     """The results of one set out of a matrix.json that holds several."""
-    return {"sets": {name: data["sets"].get(name, {})}, "cells": [c for c in data["cells"] if c["set"] == name]}
+    return {"sets": {name: data["sets"].get(name, {})}, "cells": [c for c in data["cells"] if c.set_name == name]}
 
 
 def render_summary(baseline: dict, candidate: dict, findings: list[Finding]) -> str:
@@ -128,37 +130,42 @@ def render_summary(baseline: dict, candidate: dict, findings: list[Finding]) -> 
     return "\n".join(lines) + "\n"
 
 
-def _bench(vset, args) -> dict:
+def _bench(vset, python, args) -> dict:
     """The set's bench JSON, measured in this gate run (both sets on the same machine, one after the other)."""
     smoke = args.bench == "smoke"
     folder = args.output / "bench"
     folder.mkdir(parents=True, exist_ok=True)
     output = folder / f"{vset.slug}.json"
-    lane.bench_set(vset, "tiny" if smoke else args.bench, folder, args.find_links, args.no_index, smoke=smoke)
+    lane.bench_set(vset, python, "tiny" if smoke else args.bench, folder, smoke=smoke)
     return json.loads(output.read_text()) if output.exists() else {"benchmarks": [], "stackcheck": {}}
 
 
 def run(args) -> int:
-    """The `gate` command: 1 on any regression, 0 otherwise (2, through the CLI, on a usage error)."""
+    """The `gate` command: 1 on any regression, 0 otherwise (2, through the CLI, on a usage error or an environment
+    that cannot be built: both sets' environments are built before either runs)."""
     (baseline,) = resolve([args.sets or default_set().name])
     (candidate,) = resolve([args.candidate or baseline.name], args.overrides)
     if candidate == baseline:
         raise UsageError("the candidate is the baseline: bump a library with --with PIN or name --candidate SET")
     targets = lane.family_targets([f for f in (args.families or "").split(",") if f] or None)
-    matrix = args.output / "matrix.json"
+    options = lane.arch_options(args.arch)
+    lane.check_ledger()
+    pythons = lane.build_all([baseline, candidate], args.find_links, args.no_index)
+    bench_pythons = lane.build_all([baseline, candidate], args.find_links, args.no_index, envs.BENCH_GROUPS) if args.bench else {}
+    matrix = args.output / MATRIX_FILE
     matrix.unlink(missing_ok=True)  # the comparison reads this run's cells only
     tracker = Progress("gate", 2, "set")
     for vset in (baseline, candidate):
         print(f"== gate: {vset.name}", flush=True)
         # The candidate loads the adapter the baseline trained, as a user does after upgrading.
-        cells = lane.run(vset, targets, matrix, args.find_links, args.no_index, baseline=baseline.name, env=tracker.env(),
-                         options=lane.arch_options(args.arch))
+        cells = lane.run(vset, targets, matrix, baseline=baseline.name, env=tracker.env(), options=options,
+                         python=pythons[vset.name])
         tracker.finished(vset.name, len(cells))
     data = results.load(matrix)
     before, after = one_set(data, baseline.name), one_set(data, candidate.name)
     if args.bench:
         for vset, side in ((baseline, before), (candidate, after)):
-            side["bench"] = _bench(vset, args)
+            side["bench"] = _bench(vset, bench_pythons[vset.name], args)
     findings = compare(before, after)
     summary = render_summary(before, after, findings)
     (args.output / "summary.md").write_text(summary)

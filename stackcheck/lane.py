@@ -10,23 +10,25 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from stackcheck import REPO_ROOT, envs, results
+from stackcheck.core.cell import Cell
 from stackcheck.models import architectures
 from stackcheck.ledger import ERROR, Ledger, family_modules, family_path
+from stackcheck.protocol import (
+    ARCH_OPTION, BASELINE_OPTION, BENCH_REPEAT_OPTION, BENCH_SIZE_OPTION, BENCH_SMOKE_OPTION, LANES_OPTION, LAUNCHED_AT_ENV,
+    RESULTS_OPTION, RUN_ENV, SET_OPTION, TIMING_OPTION, option,
+)
 from stackcheck.versions import UsageError, VersionSet
-
-# When (time.time()) the runner launched a pytest process: where the start-up share of stackcheck.plugin.Timing begins.
-LAUNCHED_AT_ENV = "STACKCHECK_LAUNCHED_AT"
 
 
 def lanes_option(lanes: tuple[str, ...]) -> str:
-    return f"--stackcheck-lanes={','.join(lanes)}"
+    return option(LANES_OPTION, ",".join(lanes))
 
 
 # The CPU lane alone (GPU cells would only be skipped on a CPU host).
@@ -36,7 +38,7 @@ CPU_LANE = lanes_option(("cpu",))
 ARCH_HELP = ("architectures under test: built-in names (gemma4 and fixtures/architectures/*.json), comma-separated, or a "
              "path to a config.json or to a folder with one, a Hub snapshot (shrunk to a tiny model of the same structure; "
              "no weights needed). Default: every built-in one")
-ARCH_OPTION = "--stackcheck-arch="
+ARCH_PREFIX = option(ARCH_OPTION, "")  # `--stackcheck-arch=`, as arch_options passes it
 
 
 def arch_options(spec: str | None) -> list[str]:
@@ -57,7 +59,7 @@ def arch_options(spec: str | None) -> list[str]:
         for arch in own:
             if arch.model_type not in CONFIG_MAPPING:
                 raise UsageError(f"--arch {arch.source}: model_type '{arch.model_type}' is not one this transformers can build")
-    return [ARCH_OPTION + ",".join(a.source if a in own else a.name for a in chosen)]
+    return [option(ARCH_OPTION, ",".join(a.source if a in own else a.name for a in chosen))]
 
 
 # Run in a set's environment: its transformers' version and the model types it builds.
@@ -86,7 +88,7 @@ def transformers_model_types(python: Path) -> tuple[str, set[str]] | None:
 def check_model_types(python: Path, vset: VersionSet, options: list[str]) -> None:
     """The `model_type` of each config of the user's under test is one the set's transformers builds: else one line
     (UsageError) before pytest starts, where a host without transformers could not tell (`arch_options`)."""
-    spec = next((option.removeprefix(ARCH_OPTION) for option in options if option.startswith(ARCH_OPTION)), None)
+    spec = next((given.removeprefix(ARCH_PREFIX) for given in options if given.startswith(ARCH_PREFIX)), None)
     builtin = architectures.builtin()
     own = [a for a in architectures.resolve(spec) if builtin.get(a.name) != a] if spec else []
     known = transformers_model_types(python) if own else None
@@ -104,20 +106,26 @@ def lane_args(lanes: tuple[str, ...]) -> list[str]:
     return ["-q", "-p", "no:cacheprovider", lanes_option(lanes)]
 
 
+def new_run_id() -> str:
+    """An id for one pytest run, which the recorder stamps on each cell it records (results.cells_of_run)."""
+    return uuid.uuid4().hex[:12]
+
+
 def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[str], results_path: Path | None,
-               baseline: str | None = None, env: dict[str, str] | None = None) -> int:
+               baseline: str | None = None, env: dict[str, str] | None = None, run: str | None = None) -> int:
     """`baseline`: the set of this run whose trained adapter this set loads (stackcheck.exchange); `env`:
-    variables added to the process's environment."""
+    variables added to the process's environment; `run`: the run's id (`new_run_id`), stamped on its cells."""
     # A family module that fails to import gets error cells; the other families still run.
     check_model_types(python, vset, extra)
-    command = [str(python), "-m", "pytest", *targets, f"--stackcheck-set={vset.name}", "--continue-on-collection-errors",
+    command = [str(python), "-m", "pytest", *targets, option(SET_OPTION, vset.name), "--continue-on-collection-errors",
                "-p", "stackcheck.progress_plugin", *extra]
     if results_path:
-        command.append(f"--stackcheck-results={results_path}")
+        command.append(option(RESULTS_OPTION, results_path))
     if baseline:
-        command.append(f"--stackcheck-baseline={baseline}")
+        command.append(option(BASELINE_OPTION, baseline))
     print("+", " ".join(command), flush=True)
-    variables = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}), **{LAUNCHED_AT_ENV: repr(time.time())})
+    variables = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}),
+                     **{LAUNCHED_AT_ENV: repr(time.time()), RUN_ENV: run or new_run_id()})
     return subprocess.call(command, cwd=REPO_ROOT, env=variables)
 
 
@@ -128,29 +136,37 @@ def check_ledger() -> None:
 
 
 def record_unbuildable(results_path: Path, vset: VersionSet, reason: str) -> None:
-    """A set whose environment cannot be built still gets a verdict in every family's cell."""
+    """A release whose environment cannot be built (a probe of bisect or history: a finding there, not a usage
+    error) still gets a verdict in every family's cell."""
     results.record_set(results_path, vset.name, {"env": "not built"})
     results.record_cells(results_path, [
-        {"set": vset.name, "family": family, "test": family_path(family), "lane": "cpu",
-         "verdict": str(ERROR), "signature": f"environment not built: {reason}", "bug": None, "note": "setup broke", "seconds": 0.0}
+        Cell(vset.name, family, family_path(family), "cpu", str(ERROR), signature=f"environment not built: {reason}",
+             note="setup broke")
         for family in family_modules()
     ])
 
 
-def bench_set(vset: VersionSet, size: str, results_dir: Path, find_links=(), no_index: bool = False, repeat: int = 0,
-              smoke: bool = False, pytest_args=()) -> bool:
-    """Run tests/benchmarks in the set's environment into <set>.json; True when every benchmark ran."""
+def build_all(sets: list[VersionSet], find_links=(), no_index: bool = False, groups: tuple[str, ...] = ()) -> dict[str, Path]:
+    """Every set's environment (its python, by set name), all built before any runs: a set that cannot be built
+    stops the command before anything ran or was recorded (envs.EnvBuildError: one line, exit 2)."""
+    pythons = {}
+    for vset in sets:
+        try:
+            pythons[vset.name] = envs.build(vset, find_links, no_index, groups=groups)
+            print(f"== set {vset.name} installed: {envs.versions_in(pythons[vset.name], vset)}", flush=True)
+        except envs.EnvBuildError as exc:
+            raise envs.EnvBuildError(f"set {vset.name}: environment not built, nothing was run or recorded: {exc}") from None
+    return pythons
+
+
+def bench_set(vset: VersionSet, python: Path, size: str, results_dir: Path, repeat: int = 0, smoke: bool = False,
+              pytest_args=()) -> bool:
+    """Run tests/benchmarks in the set's environment (`build_all` with envs.BENCH_GROUPS) into <set>.json; True
+    when every benchmark ran."""
     output = results_dir / f"{vset.slug}.json"
-    try:
-        python = envs.build(vset, find_links, no_index, groups=envs.BENCH_GROUPS)
-        print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
-    except envs.EnvBuildError as exc:
-        output.unlink(missing_ok=True)  # the set is missing from this run's report, not shown with old numbers
-        print(f"stackcheck: set {vset.name}: environment not built: {exc}", file=sys.stderr)
-        return False
     output.unlink(missing_ok=True)  # a report never mixes this run with an older one
-    options = ["-q", "-m", "benchmark", f"--benchmark-json={output}", f"--stackcheck-bench-size={size}",
-               f"--stackcheck-bench-repeat={repeat}", *(["--stackcheck-bench-smoke"] if smoke else [])]
+    options = ["-q", "-m", "benchmark", f"--benchmark-json={output}", option(BENCH_SIZE_OPTION, size),
+               option(BENCH_REPEAT_OPTION, repeat), *([BENCH_SMOKE_OPTION] if smoke else [])]
     started = time.monotonic()
     code = run_pytest(python, vset, ["tests/benchmarks"], [*options, *pytest_args], None)
     print(f"== set {vset.name}: pytest exit {code}, bench {time.monotonic() - started:.1f} s", flush=True)
@@ -199,23 +215,24 @@ def family_test(text: str) -> TestId:
 
 
 def run(vset: VersionSet, targets: list[str], results_path: Path, find_links=(), no_index: bool = False,
-        baseline: str | None = None, env: dict[str, str] | None = None, options: list[str] = ()) -> list[dict]:
+        baseline: str | None = None, env: dict[str, str] | None = None, options: list[str] = (),
+        python: Path | None = None) -> list[Cell]:
     """Run `targets` for `vset` on the CPU lane into results_path and return its cells. An environment
-    that cannot be built gets an `error` cell in every family instead, as in the matrix. `options`: pytest
-    options of the run (`arch_options`)."""
-    return run_timed(vset, targets, results_path, find_links, no_index, baseline, env=env, options=options)[0]
+    that cannot be built gets an `error` cell in every family instead (a probe's finding). `options`: pytest
+    options of the run (`arch_options`); `python`: the set's environment when `build_all` built it already."""
+    return run_timed(vset, targets, results_path, find_links, no_index, baseline, env=env, options=options, python=python)[0]
 
 
 def run_timed(vset: VersionSet, targets: list[str], results_path: Path, find_links=(), no_index: bool = False,
               baseline: str | None = None, lanes: tuple[str, ...] = ("cpu",), env: dict[str, str] | None = None,
-              options: list[str] = ()) -> tuple[list[dict], dict[str, float | None]]:
+              options: list[str] = (), python: Path | None = None) -> tuple[list[Cell], dict[str, float | None]]:
     """`run`, in `lanes`, with what it cost in seconds: environment (built or reused), start-up
     (interpreter, imports, collection), fixtures (tiny checkpoints built), tests, exit; and in all."""
     check_ledger()
     started = time.monotonic()
     costs: dict[str, float | None] = {}
     try:
-        python = envs.build(vset, find_links, no_index)
+        python = python or envs.build(vset, find_links, no_index)
     except envs.EnvBuildError as exc:
         record_unbuildable(results_path, vset, str(exc))
         costs["environment"] = time.monotonic() - started
@@ -224,10 +241,10 @@ def run_timed(vset: VersionSet, targets: list[str], results_path: Path, find_lin
         with tempfile.TemporaryDirectory(prefix="stackcheck-timing-") as scratch:
             timing = Path(scratch) / "timing.json"
             launched = time.monotonic()
-            run_pytest(python, vset, targets, [*lane_args(lanes), *options, f"--stackcheck-timing={timing}"], results_path, baseline, env)
+            run_pytest(python, vset, targets, [*lane_args(lanes), *options, option(TIMING_OPTION, timing)], results_path, baseline, env)
             ended = time.monotonic() - launched
             split = json.loads(timing.read_text()) if timing.exists() else {}
         costs |= {key: split.get(key) for key in ("startup", "fixtures", "tests")}
         costs["exit"] = ended - split["until_exit"] if split.get("until_exit") is not None else None
     costs["total"] = time.monotonic() - started
-    return [c for c in results.load(results_path)["cells"] if c["set"] == vset.name], costs
+    return [c for c in results.load(results_path)["cells"] if c.set_name == vset.name], costs

@@ -28,6 +28,7 @@ keeps to its share of the CPU cores (torch threads), unless OMP_NUM_THREADS says
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -36,16 +37,19 @@ from pathlib import Path
 import pytest
 
 from stackcheck import exchange, hostinfo, results, scenario
+from stackcheck.core.cell import LOST, Cell, lane_of
 from stackcheck.distributed.cells import Ranks
 from stackcheck.harness import axes
 from stackcheck.distributed.outcome import RanksFailed, judge_ranks
 from stackcheck.models import architectures, tiny
-from stackcheck.lane import LAUNCHED_AT_ENV
 from stackcheck.ledger import (
     ERROR, FIXED, KNOWN_BUG, NOT_AFFECTED, NOT_APPLICABLE, SKIPPED, Failure, Judgement, Ledger, LedgerError, family_modules,
 )
 from stackcheck.models.tiny import FixtureError, NotApplicable
-from stackcheck.results import arch_of, family_of, lane_of
+from stackcheck.protocol import (
+    ARCH_OPTION, BASELINE_OPTION, LANES_OPTION, LAUNCHED_AT_ENV, RESULTS_OPTION, RUN_ENV, SET_OPTION, TIMING_OPTION,
+)
+from stackcheck.results import family_of
 from stackcheck.scenario import ScenarioNotReached, UnderTest
 from stackcheck.versions import installed_versions
 
@@ -56,14 +60,14 @@ WORKER_THREADS_KEY = "stackcheck_cpu_threads"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("stackcheck")
-    group.addoption("--stackcheck-set", default="local", help="name of the version set under test")
-    group.addoption("--stackcheck-results", default=None, help="matrix.json to record each cell in")
-    group.addoption("--stackcheck-lanes", default=",".join(results.LANES), help="comma-separated lanes to run (cpu, gpu)")
-    group.addoption("--stackcheck-arch", default=None,
+    group.addoption(SET_OPTION, default="local", help="name of the version set under test")
+    group.addoption(RESULTS_OPTION, default=None, help="matrix.json to record each cell in")
+    group.addoption(LANES_OPTION, default=",".join(results.LANES), help="comma-separated lanes to run (cpu, gpu)")
+    group.addoption(ARCH_OPTION, default=None,
                     help="architectures under test: built-in names, comma-separated, or a config.json (default: every built-in one)")
-    group.addoption("--stackcheck-baseline", default=None,
-                    help="the set of this run whose trained adapter this set loads (stackcheck.exchange; needs --stackcheck-results)")
-    group.addoption("--stackcheck-timing", default=None,
+    group.addoption(BASELINE_OPTION, default=None,
+                    help=f"the set of this run whose trained adapter this set loads (stackcheck.exchange; needs {RESULTS_OPTION})")
+    group.addoption(TIMING_OPTION, default=None,
                     help="JSON file to write the run's cost breakdown to: start-up, fixture build, tests, exit")
 
 
@@ -115,29 +119,30 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
     for family in config.stackcheck_ledger.families.values():
         config.addinivalue_line("markers", f"{family.id}: {family.title}")
-    config.stackcheck_lanes = [lane for lane in config.getoption("--stackcheck-lanes").split(",") if lane]
+    config.stackcheck_lanes = [lane for lane in config.getoption(LANES_OPTION).split(",") if lane]
     if not set(config.stackcheck_lanes) <= set(results.LANES):
-        raise pytest.UsageError(f"--stackcheck-lanes: unknown lane in {config.stackcheck_lanes} (lanes: {', '.join(results.LANES)})")
+        raise pytest.UsageError(f"{LANES_OPTION}: unknown lane in {config.stackcheck_lanes} (lanes: {', '.join(results.LANES)})")
     try:
-        config.stackcheck_architectures = architectures.resolve(config.getoption("--stackcheck-arch"))
+        config.stackcheck_architectures = architectures.resolve(config.getoption(ARCH_OPTION))
     except architectures.ArchitectureError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stackcheck_arch_names = [arch.name for arch in config.stackcheck_architectures]
     config.stackcheck_versions = installed_versions()
     config.stackcheck_platform = hostinfo.platform_facts()
-    if config.getoption("--stackcheck-timing") and not hasattr(config, "workerinput"):
-        config.pluginmanager.register(Timing(Path(config.getoption("--stackcheck-timing"))), "stackcheck-timing")
-    path = config.getoption("--stackcheck-results")
+    if config.getoption(TIMING_OPTION) and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(Timing(Path(config.getoption(TIMING_OPTION))), "stackcheck-timing")
+    path = config.getoption(RESULTS_OPTION)
     if path and not hasattr(config, "workerinput"):  # the xdist controller (or a plain run) owns the file
-        recorder = Recorder(Path(path), config.getoption("--stackcheck-set"), config.stackcheck_lanes, config.stackcheck_arch_names)
-        results.record_set(recorder.path, recorder.set_name, config.stackcheck_versions, config.stackcheck_platform)
+        # Nothing is written before collection finishes: a run that pytest refuses, or that collects nothing, changes nothing.
+        recorder = Recorder(Path(path), config.getoption(SET_OPTION), config.stackcheck_lanes, config.stackcheck_arch_names,
+                            config.stackcheck_versions, config.stackcheck_platform)
         config.pluginmanager.register(recorder, "stackcheck-recorder")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in config.stackcheck_versions.items())
     facts = ", ".join(f"{k} {v}" for k, v in config.stackcheck_platform.items())
-    return [f"stackcheck set '{config.getoption('--stackcheck-set')}': {versions}", f"stackcheck platform: {facts}"]
+    return [f"stackcheck set '{config.getoption(SET_OPTION)}': {versions}", f"stackcheck platform: {facts}"]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -202,9 +207,9 @@ def adapter_exchange(request: pytest.FixtureRequest, arch) -> exchange.AdapterEx
     """Where this set leaves the adapter it trains on `arch`, and finds its baseline's: beside the results
     file, one folder per architecture."""
     config = request.config
-    path = config.getoption("--stackcheck-results")
+    path = config.getoption(RESULTS_OPTION)
     return exchange.AdapterExchange(exchange.folder_beside(Path(path)) / arch.name if path else None,
-                                    config.getoption("--stackcheck-set"), config.getoption("--stackcheck-baseline"))
+                                    config.getoption(SET_OPTION), config.getoption(BASELINE_OPTION))
 
 
 @pytest.fixture
@@ -255,10 +260,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if family is None or not _is_final_phase(report):
         return
     judgement = _judge(item, call, report, family)
-    cell = _cell(item.config, family, item.nodeid, judgement)
+    cell = Cell.judged(item.config.getoption(SET_OPTION), family, item.nodeid, item.config.stackcheck_arch_names, judgement)
     if hasattr(item, "stackcheck_ranks"):  # a distributed job's cell records every rank
-        cell["ranks"] = getattr(item, "stackcheck_rank_records", None) or judge_ranks(item.stackcheck_ranks, None)[1]
-    report.user_properties.append((CELL_KEY, cell))
+        cell = cell.replace(ranks=getattr(item, "stackcheck_rank_records", None) or judge_ranks(item.stackcheck_ranks, None)[1])
+    report.user_properties.append((CELL_KEY, cell.to_dict()))  # plain data: xdist sends it from the worker
     if judgement.verdict == KNOWN_BUG:
         report.outcome = "skipped"
         report.wasxfail = f"known_bug {judgement.bug}: {judgement.signature}"
@@ -273,14 +278,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         report.longrepr = f"[fixed] {judgement.note}; links: {' '.join(judgement.links)}"
 
 
-def _cell(config: pytest.Config, family: str, nodeid: str, judgement: Judgement) -> dict:
-    return {
-        "set": config.getoption("--stackcheck-set"), "family": family, "test": nodeid, "lane": lane_of(nodeid),
-        "arch": arch_of(nodeid, config.stackcheck_arch_names),
-        "verdict": str(judgement.verdict), "signature": judgement.signature, "bug": judgement.bug, "note": judgement.note,
-    }
-
-
 def _is_final_phase(report: pytest.TestReport) -> bool:
     """The call phase decides, unless setup already failed or skipped."""
     return report.when == "call" or (report.when == "setup" and not report.passed)
@@ -293,13 +290,14 @@ def _judge(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport, 
     excinfo = call.excinfo
     if excinfo and excinfo.errisinstance(NotApplicable):
         return Judgement(NOT_APPLICABLE, note=f"not applicable: {excinfo.value}")
-    if report.when == "setup" or (excinfo and excinfo.errisinstance(FixtureError)):
-        return Judgement(ERROR, signature=Failure.from_exception(excinfo.value).signature(), note="setup broke")
     arch = item.callspec.params.get("arch") if hasattr(item, "callspec") else None
 
     def judge(failure: Failure | None) -> Judgement:
         return item.config.stackcheck_ledger.judge(family, item.name, item.config.stackcheck_versions, failure,
                                                    arch.model_type if arch else None)
+
+    if report.when == "setup" or (excinfo and excinfo.errisinstance(FixtureError)):
+        return _judge_setup(excinfo.value, judge)
 
     if excinfo and excinfo.errisinstance(RanksFailed):  # each rank judged as a test of its own, then combined
         judgement, item.stackcheck_rank_records = judge_ranks(excinfo.value.outcomes, judge)
@@ -308,36 +306,64 @@ def _judge(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport, 
     return judge(Failure.from_exception(excinfo.value, not_reached) if excinfo else None)
 
 
+def _judge_setup(exc: BaseException, judge) -> Judgement:
+    """A fixture that could not be built (or a setup that broke) is judged by the ledger like a test: what broke it
+    (a FixtureError's cause) is a `known_bug` where the ledger knows it in these versions. Anything else says nothing
+    about the scenario under test: `error`, setup broke, never `new_failure`."""
+    cause = exc.__cause__ if isinstance(exc, FixtureError) and exc.__cause__ is not None else exc
+    judgement = judge(Failure.from_exception(cause))
+    if judgement.verdict == KNOWN_BUG:
+        return dataclasses.replace(judgement, note=f"in the test's setup: {Failure.from_exception(exc).signature()}"
+                                   if cause is not exc else "in the test's setup")
+    return Judgement(ERROR, signature=Failure.from_exception(exc).signature(), note="setup broke")
+
+
 class Recorder:
     """Writes each cell to matrix.json the moment its verdict is known, with setup + call seconds; runs in
-    the process that owns the results file (the xdist controller, or a plain run)."""
+    the process that owns the results file (the xdist controller, or a plain run).
 
-    LOST = "cell lost: the run ended before this cell's verdict (a crashed worker or process)"
+    Nothing is written until collection finishes. Then, in one step (results.begin_run), the set's versions are
+    recorded and each collected cell gets a placeholder (`error`, cell lost), which its verdict replaces as it comes:
+    a crashed process leaves its cells lost, never missing. Only the collected cells are replaced: a `-k`, another
+    architecture, lane or family keeps every other cell, a run that collects nothing changes nothing. A run that stops
+    early (Ctrl-C, -x, --maxfail) puts back the cells its placeholders replaced."""
 
-    def __init__(self, path: Path, set_name: str, lanes: list[str], arch_names: list[str]):
+    STOPPED = "cell not run: the run stopped before this cell (Ctrl-C, -x or --maxfail)"
+
+    def __init__(self, path: Path, set_name: str, lanes: list[str], arch_names: list[str], versions: dict[str, str],
+                 platform: dict[str, str]):
         self.path, self.set_name, self.lanes, self.arch_names = path, set_name, lanes, arch_names
+        self.versions, self.platform = versions, platform
         self.fingerprint = results.fingerprint()
+        self.run = os.environ.get(RUN_ENV)
         self.seconds: dict[str, float] = {}
-        self.expected_recorded = False
+        self.started = False
+        self.unimportable: list[Cell] = []  # cells of family modules that did not import, until the run starts
+        self.placeholders: dict[tuple[str, str, str], Cell] = {}  # the run's cells still waiting for a verdict
+        self.replaced: dict[tuple[str, str, str], Cell] = {}  # what the placeholders replaced
 
-    def _lost(self, nodeid: str, family: str, signature: str = LOST, note: str | None = None) -> dict:
-        return {"set": self.set_name, "family": family, "test": nodeid, "lane": lane_of(nodeid),
-                "arch": arch_of(nodeid, self.arch_names), "verdict": str(ERROR),
-                "signature": signature, "bug": None, "note": note, "seconds": 0.0}
+    def _lost(self, nodeid: str, family: str, signature: str = LOST, note: str | None = None) -> Cell:
+        return Cell.lost(self.set_name, family, nodeid, self.arch_names, signature, note, self.run)
 
-    def _expect(self, nodeids: list[str]) -> None:
-        if self.expected_recorded:
-            return
-        self.expected_recorded = True
-        cells = [self._lost(nodeid, family) for nodeid in nodeids if (family := family_of(nodeid))]
+    def _record(self, cells: list[Cell]) -> None:
+        for cell in cells:
+            self.placeholders.pop(cell.key, None)
         results.record_cells(self.path, cells, self.fingerprint)
 
+    def _start(self, nodeids: list[str]) -> None:
+        cells = [self._lost(nodeid, family) for nodeid in nodeids if (family := family_of(nodeid))] + self.unimportable
+        if self.started or not cells:
+            return
+        self.started = True
+        self.replaced = results.begin_run(self.path, self.set_name, self.versions, self.platform, cells, self.fingerprint)
+        self.placeholders = {cell.key: cell for cell in cells if cell not in self.unimportable}
+
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        self._expect([item.nodeid for item in session.items])
+        self._start([item.nodeid for item in session.items])
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node, ids: list[str]) -> None:
-        self._expect(ids)
+        self._start(ids)
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         family = family_of(report.nodeid)
@@ -345,18 +371,30 @@ class Recorder:
             return
         error = str(report.longrepr).strip().splitlines()
         signature = f"family module does not import: {error[-1] if error else 'collection failed'}"
-        cells = [dict(self._lost(f"{report.nodeid}[{lane}]", family, signature, "setup broke"), lane=lane) for lane in self.lanes]
-        results.record_cells(self.path, cells, self.fingerprint)
+        cells = [self._lost(f"{report.nodeid}[{lane}]", family, signature, "setup broke").replace(lane=lane) for lane in self.lanes]
+        if self.started:
+            self._record(cells)
+        else:
+            self.unimportable += [cell for cell in cells if cell not in self.unimportable]
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
-        cell = dict(report.user_properties).get(CELL_KEY)
+        recorded = dict(report.user_properties).get(CELL_KEY)
+        cell = Cell.from_dict(recorded) if recorded is not None else None
         family = family_of(report.nodeid)
         if cell is None and family and report.failed and report.when not in ("setup", "call", "teardown"):
             lines = str(report.longrepr).strip().splitlines()  # xdist's report of a crashed worker
             cell = self._lost(report.nodeid, family, f"cell lost: {lines[0] if lines else 'worker crashed'}")
         if cell is not None:
-            results.record_cells(self.path, [dict(cell, seconds=round(self.seconds[report.nodeid], 2))], self.fingerprint)
+            self._record([cell.replace(seconds=round(self.seconds[report.nodeid], 2), run=self.run)])
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Cells the run never reached (it stopped early; a crashed process never gets here) get back what they
+        replaced, or say that they were not run."""
+        if self.placeholders:
+            back = [self.replaced.get(key) or cell.replace(signature=self.STOPPED) for key, cell in self.placeholders.items()]
+            results.end_run(self.path, back, self.run, self.fingerprint)
+            self.placeholders = {}
 
 
 class Timing:

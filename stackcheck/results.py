@@ -12,12 +12,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from stackcheck import REPO_ROOT, hostinfo
+from stackcheck.core.cell import KEYS, LOST, Cell, arch_of, lane_of  # noqa: F401 - lane_of and arch_of are read from here too
 from stackcheck.ledger import CONTRACT_DIR, FAMILIES_DIR, SEVERITY, SKIPPED, Ledger
 from stackcheck.versions import UsageError, load_sets
 
 LANES = ("gpu", "cpu")
-CELL_KEYS = ("set", "family", "test", "lane", "arch", "verdict", "signature", "bug", "note", "seconds")
-# A distributed job's cell also has `ranks`: each rank's state, verdict, signature (stackcheck.distributed.outcome.rank_record).
+CELL_KEYS = KEYS  # every recorded cell has them (stackcheck.core.cell); a distributed job's also has `ranks`
 # What a verdict means besides the libraries: the ledger and the judging of a failure against it, and the
 # family tests with what they build and run.
 DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/ledger.py", "stackcheck/plugin.py", "stackcheck/scenario.py", "stackcheck/harness/*.py", "stackcheck/hostinfo.py", "stackcheck/models/*.py", "fixtures/*.json", "fixtures/architectures/*.json", "tests/families/*.py",
@@ -33,19 +33,6 @@ def family_of(nodeid: str) -> str | None:
     return path.stem.removeprefix("test_")
 
 
-def lane_of(nodeid: str) -> str:
-    """The lane is the first parameter of every family test (`test_x[cpu-nf4]`)."""
-    params = nodeid.partition("[")[2]
-    return params.split("-", 1)[0].rstrip("]") if params else "cpu"
-
-
-def arch_of(nodeid: str, arch_names: list[str]) -> str | None:
-    """The architecture of a family test id, its second parameter (`test_x[cpu-llama3-nf4]`); None for a test
-    that builds no model (its second parameter, if any, is no architecture of the run)."""
-    params = nodeid.partition("[")[2].rstrip("]").split("-")
-    return params[1] if len(params) > 1 and params[1] in arch_names else None
-
-
 def fingerprint() -> str:
     """Digest of the family definitions, stored in matrix.json so results of different ones never merge."""
     digest = hashlib.sha256()
@@ -58,8 +45,14 @@ def empty() -> dict:
     return {"sets": {}, "cells": []}
 
 
+def _decoded(data: dict) -> dict:
+    """matrix.json's data with its cells as `Cell`s."""
+    return dict(data, cells=[Cell.from_dict(cell) for cell in data["cells"]])
+
+
 def load(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else empty()
+    """matrix.json's data (sets, cells as `Cell`s, fingerprint); empty when there is no file."""
+    return _decoded(json.loads(path.read_text())) if path.exists() else empty()
 
 
 @contextmanager
@@ -101,9 +94,16 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _encode(value):
+    if isinstance(value, Cell):
+        return value.to_dict()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def write_json(path: Path, data: dict) -> None:
+    """`data` as JSON, written whole or not at all (a `Cell` as matrix.json holds it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    _write_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=_encode) + "\n")
 
 
 def save(path: Path, data: dict) -> None:
@@ -127,37 +127,92 @@ def merge_into(target: dict, incoming: dict) -> dict:
         if name in target["sets"] and target["sets"][name] != versions:
             raise ValueError(f"set '{name}' was run with different versions: {target['sets'][name]} vs {versions}")
         target["sets"][name] = versions
-    fresh = {(c["set"], c["lane"], c["test"]): c for c in incoming["cells"]}
-    target["cells"] = [c for c in target["cells"] if (c["set"], c["lane"], c["test"]) not in fresh]
+    fresh = {cell.key: cell for cell in incoming["cells"]}
+    target["cells"] = [cell for cell in target["cells"] if cell.key not in fresh]
     target["cells"].extend(fresh.values())
-    target["cells"].sort(key=lambda c: (c["set"], c["family"], c["lane"], c["test"]))
+    target["cells"].sort(key=lambda c: (c.set_name, c.family, c.lane, c.test))
     return target
 
 
+def _taken_over(path: Path, data: dict, run_fingerprint: str) -> tuple[Path, dict]:
+    """Where a run of `run_fingerprint` records: `path`, or, when a run of other definitions took it over meanwhile
+    (and moved this run's earlier cells aside), the file they were moved to."""
+    if data.get("fingerprint", run_fingerprint) == run_fingerprint:
+        return path, data
+    stale = stale_path(path, run_fingerprint)
+    print(f"stackcheck: {path} was taken over by a run of other family definitions; this run's cells go to {stale}",
+          file=sys.stderr)
+    return stale, load(stale)
+
+
+def _set_entry(data: dict, path: Path, name: str, versions: dict[str, str], platform: dict[str, str] | None) -> None:
+    """Record the versions and platform set `name` runs with in `data`. A set recorded before with other versions
+    or on another platform loses all its cells, every lane's: none may stay listed under pins it did not run."""
+    entry = dict(versions)
+    if platform:
+        entry |= {"device": hostinfo.device_name(platform), "platform": platform}
+    previous = data["sets"].get(name)
+    if previous is not None and previous != entry:
+        dropped = [c for c in data["cells"] if c.set_name == name]
+        data["cells"] = [c for c in data["cells"] if c.set_name != name]
+        if dropped:
+            print(f"stackcheck: set '{name}' now runs other versions or on another platform; its {len(dropped)} "
+                  f"earlier cells are dropped from {path}", file=sys.stderr)
+    data["sets"][name] = entry
+
+
+def _claim(path: Path, data: dict, current: str) -> dict:
+    """`data` of `path` for a run of the definitions `current`: results of other definitions are moved aside."""
+    if data.get("fingerprint", current) != current:
+        stale = stale_path(path, data["fingerprint"])
+        os.replace(path, stale)
+        print(f"stackcheck: {path} held results of other family definitions; moved to {stale}", file=sys.stderr)
+        data = empty()
+    data["fingerprint"] = current
+    return data
+
+
 def record_set(path: Path, name: str, versions: dict[str, str], platform: dict[str, str] | None = None) -> None:
-    """Record the versions and platform a set runs with. A set recorded before with other versions or on
-    another platform loses all its cells, every lane's: none may stay listed under pins it did not run."""
+    """Record the versions and platform a set runs with (see `_set_entry`)."""
     with _locked(path):
-        data = load(path)
-        current = fingerprint()
-        if data.get("fingerprint", current) != current:
-            stale = stale_path(path, data["fingerprint"])
-            os.replace(path, stale)
-            print(f"stackcheck: {path} held results of other family definitions; moved to {stale}", file=sys.stderr)
-            data = empty()
-        data["fingerprint"] = current
-        entry = dict(versions)
-        if platform:
-            entry |= {"device": hostinfo.device_name(platform), "platform": platform}
-        previous = data["sets"].get(name)
-        if previous is not None and previous != entry:
-            dropped = [c for c in data["cells"] if c["set"] == name]
-            data["cells"] = [c for c in data["cells"] if c["set"] != name]
-            if dropped:
-                print(f"stackcheck: set '{name}' now runs other versions or on another platform; its {len(dropped)} "
-                      f"earlier cells are dropped", file=sys.stderr)
-        data["sets"][name] = entry
+        data = _claim(path, load(path), fingerprint())
+        _set_entry(data, path, name, versions, platform)
         save(path, data)
+
+
+def begin_run(path: Path, name: str, versions: dict[str, str], platform: dict[str, str] | None, placeholders: list[Cell],
+              run_fingerprint: str | None = None) -> dict[tuple[str, str, str], Cell]:
+    """A run of set `name` starts: in one step, record the set's versions and platform, and put a placeholder in
+    place of each cell the run collected (`Cell.lost`, replaced by its verdict as it comes). Nothing else of the
+    set is touched: cells of tests the run did not collect (another `-k`, architecture, lane or family) stay.
+    A family whose module imports again loses its module-level cells (`Cell.module_level`) in the run's lanes.
+    Returns the cells the placeholders replaced, for `end_run`."""
+    run_fingerprint = run_fingerprint or fingerprint()
+    with _locked(path):
+        data = _claim(path, load(path), run_fingerprint)
+        _set_entry(data, path, name, versions, platform)
+        runs = {(cell.family, cell.lane) for cell in placeholders}
+        data["cells"] = [c for c in data["cells"] if not (c.set_name == name and c.module_level and (c.family, c.lane) in runs)]
+        keys = {cell.key for cell in placeholders}
+        replaced = {c.key: c for c in data["cells"] if c.key in keys}
+        merge_into(data, {"sets": {}, "cells": placeholders})
+        save(path, data)
+    return replaced
+
+
+def end_run(path: Path, replaced: list[Cell], run: str | None, run_fingerprint: str | None = None) -> None:
+    """The run `run` ended (Ctrl-C, `-x`, `--maxfail`) before some of its cells had a verdict: each of `replaced`
+    (what `begin_run` returned) whose key still holds the run's placeholder is put back. A cell with a verdict of
+    this run, or one a later run recorded, is never touched."""
+    run_fingerprint = run_fingerprint or fingerprint()
+    with _locked(path):
+        path, data = _taken_over(path, load(path), run_fingerprint)
+        current = {c.key: c for c in data["cells"]}
+        back = [cell for cell in replaced if cell.key in current and current[cell.key].signature == LOST
+                and current[cell.key].run == run]
+        if back:
+            merge_into(data, {"sets": {}, "cells": back})
+            save(path, data)
 
 
 def stale_path(path: Path, other_fingerprint: str) -> Path:
@@ -165,36 +220,28 @@ def stale_path(path: Path, other_fingerprint: str) -> Path:
     return path.with_name(f"{path.stem}.stale-{other_fingerprint}.json")
 
 
-def record_cells(path: Path, cells: list[dict], run_fingerprint: str | None = None) -> None:
+def record_cells(path: Path, cells: list[Cell], run_fingerprint: str | None = None) -> None:
     """Add cells of a run of the definitions `run_fingerprint` (default: the checkout's). If a run of other
     definitions took the file over meanwhile (and moved this run's earlier cells aside), these cells follow
     them there."""
     run_fingerprint = run_fingerprint or fingerprint()
     with _locked(path):
-        data = load(path)
-        if data.get("fingerprint", run_fingerprint) != run_fingerprint:
-            print(f"stackcheck: {path} was taken over by a run of other family definitions; this run's cells go to "
-                  f"{stale_path(path, run_fingerprint)}", file=sys.stderr)
-            path = stale_path(path, run_fingerprint)
-            data = load(path)
+        path, data = _taken_over(path, load(path), run_fingerprint)
         data.setdefault("fingerprint", run_fingerprint)
-        merge_into(data, {"sets": {}, "cells": [{k: cell.get(k) for k in CELL_KEYS} | cell for cell in cells]})
+        merge_into(data, {"sets": {}, "cells": list(cells)})
         save(path, data)
 
 
-def forget_cells(path: Path, set_name: str, lanes: list[str], families: list[str] | None = None) -> None:
-    """Drop a set's cells in `lanes` (of `families`, all when None) before they are run again, so no stale cell
-    survives a re-run and a run of some families keeps the others' cells."""
-    with _locked(path):
-        data = load(path)
-        data["cells"] = [c for c in data["cells"] if not (c["set"] == set_name and c["lane"] in lanes
-                                                           and (families is None or c["family"] in families))]
-        save(path, data)
+def cells_of_run(path: Path, set_name: str, run: str) -> list[Cell]:
+    """The cells of set `set_name` that the pytest run `run` recorded (stackcheck.protocol.RUN_ENV)."""
+    return [c for c in load(path)["cells"] if c.set_name == set_name and c.run == run]
 
 
-def ran_in_lane(path: Path, set_name: str, lane: str) -> bool:
-    """Whether at least one of the set's cells in `lane` ran to a verdict (was not skipped)."""
-    return any(c["set"] == set_name and c["lane"] == lane and c["verdict"] != SKIPPED for c in load(path)["cells"])
+def ran_in_lane(path: Path, set_name: str, lane: str, run: str | None = None) -> bool:
+    """Whether at least one of the set's cells in `lane` (of the pytest run `run`, when named) ran to a verdict
+    (was not skipped)."""
+    return any(c.set_name == set_name and c.lane == lane and c.verdict != SKIPPED and (run is None or c.run == run)
+               for c in load(path)["cells"])
 
 
 def merge_files(inputs: list[Path], output: Path) -> dict:
@@ -226,7 +273,7 @@ def read_checked_json(path: Path, shape_problem, kind: str) -> dict:
 
 def load_checked(path: Path) -> dict:
     """A matrix.json from outside this run, checked for everything merge_into and render_markdown read."""
-    return read_checked_json(path, _shape_problem, "matrix.json")
+    return _decoded(read_checked_json(path, _shape_problem, "matrix.json"))
 
 
 def _shape_problem(data) -> str | None:
@@ -255,6 +302,8 @@ def _shape_problem(data) -> str | None:
             return f"cell {index}: unknown verdict '{cell['verdict']}' (verdicts: {', '.join(SEVERITY)})"
         if not isinstance(cell.get("ranks", []), list):
             return f"cell {index}: `ranks` (a distributed job's outcome per rank) is not a list"
+        if not isinstance(cell.get("run", ""), str):
+            return f"cell {index}: `run` (the id of the run that recorded it) is not a string"
     return None
 
 
@@ -274,8 +323,8 @@ def render_markdown(data: dict, ledger: Ledger | None = None) -> str:
     ledger = ledger or Ledger()
     declared = list(load_sets()[0])  # named sets in sets.toml order, ad-hoc sets after them
     sets = sorted(data["sets"], key=lambda name: (declared.index(name) if name in declared else len(declared), name))
-    families = [f for f in ledger.families if any(c["family"] == f for c in data["cells"])]
-    families += sorted({c["family"] for c in data["cells"]} - set(families))
+    families = [f for f in ledger.families if any(c.family == f for c in data["cells"])]
+    families += sorted({c.family for c in data["cells"]} - set(families))
     lines = ["# stackcheck matrix", ""]
     lines += ["| set | " + " | ".join(VERSION_COLUMNS) + " |", "|---" * (len(VERSION_COLUMNS) + 1) + "|"]
     for name in sets:
@@ -287,33 +336,33 @@ def render_markdown(data: dict, ledger: Ledger | None = None) -> str:
         platform = data["sets"][name].get("platform")
         facts = [platform.get(k, "n/a") for k in PLATFORM_COLUMNS] if platform else ["not recorded"] * len(PLATFORM_COLUMNS)
         lines.append(f"| {name} | " + " | ".join(_escape(fact) for fact in facts) + " |")
-    columns = [(name, lane) for name in sets for lane in LANES if any(c["set"] == name and c["lane"] == lane for c in data["cells"])]
-    archs = list(dict.fromkeys(c.get("arch") for c in data["cells"]))  # in the order the run listed them
+    columns = [(name, lane) for name in sets for lane in LANES if any(c.set_name == name and c.lane == lane for c in data["cells"])]
+    archs = list(dict.fromkeys(c.arch for c in data["cells"]))  # in the order the run listed them
     lines += ["", "One row per family and architecture (`-`: the family's tests build no model).", ""]
     lines += ["| family | arch | " + " | ".join(f"{name} ({lane})" for name, lane in columns) + " |", "|---" * (len(columns) + 2) + "|"]
     for family in families:
-        for arch in [a for a in archs if any(c["family"] == family and c.get("arch") == a for c in data["cells"])]:
+        for arch in [a for a in archs if any(c.family == family and c.arch == a for c in data["cells"])]:
             row = [family, arch or "-"]
             for name, lane in columns:
-                cells = [c for c in data["cells"] if c["set"] == name and c["lane"] == lane and c["family"] == family and c.get("arch") == arch]
+                cells = [c for c in data["cells"] if c.set_name == name and c.lane == lane and c.family == family and c.arch == arch]
                 row.append(_summary(cells, ledger) if cells else "**missing**")
             lines.append("| " + " | ".join(row) + " |")
     lines += ["", "## Cells", "", "| set | lane | arch | test | verdict | bug | signature | note | s |", "|---" * 9 + "|"]
     for c in data["cells"]:
         lines.append(
-            f"| {c['set']} | {c['lane']} | {c.get('arch') or '-'} | `{c['test']}` | {c['verdict']} | {c.get('bug') or ''} | {_escape(c.get('signature'))} "
-            f"| {_escape(c.get('note'))} | {c['seconds']:.1f} |"
+            f"| {c.set_name} | {c.lane} | {c.arch or '-'} | `{c.test}` | {c.verdict} | {c.bug or ''} | {_escape(c.signature)} "
+            f"| {_escape(c.note)} | {c.seconds:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def summary_counts(cells: list[dict]) -> str:
+def summary_counts(cells: list[Cell]) -> str:
     """Every verdict among the cells with its count, worst first: nothing (skipped included) is hidden."""
-    return ", ".join(f"{sum(c['verdict'] == v for c in cells)} {v}" for v in SEVERITY if any(c["verdict"] == v for c in cells))
+    return ", ".join(f"{sum(c.verdict == v for c in cells)} {v}" for v in SEVERITY if any(c.verdict == v for c in cells))
 
 
-def _summary(cells: list[dict], ledger: Ledger) -> str:
-    verdict = worst([c["verdict"] for c in cells])
-    bugs = sorted({c["bug"] for c in cells if c["verdict"] == verdict and c.get("bug")})
+def _summary(cells: list[Cell], ledger: Ledger) -> str:
+    verdict = worst([c.verdict for c in cells])
+    bugs = sorted({c.bug for c in cells if c.verdict == verdict and c.bug})
     links = [f"[{b}]({ledger.bugs[b].links[0]})" if b in ledger.bugs else b for b in bugs]
     return f"**{verdict}** " + (" ".join(links) + " " if links else "") + f"({summary_counts(cells)})"

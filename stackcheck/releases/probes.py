@@ -154,8 +154,9 @@ class Prober:
         env = {**(env or {}), **({"OMP_NUM_THREADS": str(self.threads)} if self.threads else {})}
         with tempfile.TemporaryDirectory(prefix="stackcheck-probe-") as scratch:
             matrix = Path(scratch) / "matrix.json"
-            cells, costs = lane.run_timed(vset, lane.family_targets(families), matrix, self.find_links, self.no_index,
-                                          lanes=self.lanes, env=env, options=list(self.options))
+            ran, costs = lane.run_timed(vset, lane.family_targets(families), matrix, self.find_links, self.no_index,
+                                        lanes=self.lanes, env=env, options=list(self.options))
+            cells = [cell.to_dict() for cell in ran]  # the store keeps matrix.json's cells as they are on disk
             installed = {k: v for k, v in results.load(matrix)["sets"].get(vset.name, {}).items() if k != "platform"}
         if environment is not None:
             costs |= {"environment": environment, "total": costs["total"] - costs["environment"] + environment}

@@ -21,14 +21,14 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, envs, lane, results
+from stackcheck import REPO_ROOT, envs, lane, protocol, results
 from stackcheck.ledger import KNOWN_BUG, NEW_FAILURE, Ledger
-from stackcheck.results import family_of, lane_of
+from stackcheck.core.cell import Cell
 from stackcheck.triage import repro_script
 from stackcheck.versions import PACKAGES, UsageError, VersionSet, default_set, resolve, slug
 
 FAILING = (KNOWN_BUG, NEW_FAILURE)
-PARAMS_ENV = "STACKCHECK_REPRO_PARAMS"
+PARAMS_ENV = protocol.REPRO_PARAMS_ENV
 RUN_TIMEOUT_S = 900
 TRACE_TAIL_LINES = 30
 FACTS_CODE = ("import json; from stackcheck import hostinfo, versions; "
@@ -52,28 +52,6 @@ def pytest_collection_finish(session) -> None:
 
 
 @dataclass(frozen=True)
-class Cell:
-    set_name: str
-    test: str  # tests/families/test_<family>.py::<name>[<params>]
-    verdict: str
-    signature: str | None  # "Type: first line @ frame"
-    bug: str | None
-
-    @property
-    def family(self) -> str:
-        return family_of(self.test)
-
-    @property
-    def function(self) -> str:
-        return self.test.split("::", 1)[1].split("[", 1)[0]
-
-    @property
-    def failure(self) -> str:
-        """"Type: first line", the signature without its raising frame."""
-        return (self.signature or "").rsplit(" @ ", 1)[0]
-
-
-@dataclass(frozen=True)
 class Outcome:
     cell: Cell
     folder: Path
@@ -91,8 +69,7 @@ def gpu_host() -> bool:
 
 def cells_from(path: Path, sets: list[str] | None) -> list[Cell]:
     data = results.load_checked(path)
-    chosen = [Cell(c["set"], c["test"], c["verdict"], c.get("signature"), c.get("bug")) for c in data["cells"]
-              if c["verdict"] in FAILING and (sets is None or c["set"] in sets)]
+    chosen = [c for c in data["cells"] if c.verdict in FAILING and (sets is None or c.set_name in sets)]
     if not chosen:
         raise UsageError(f"{path} has no failing cell{' of set ' + ', '.join(sets) if sets else ''}")
     return chosen
@@ -108,12 +85,12 @@ def run_cells(python: Path, cell_set: VersionSet, test: lane.TestId, scratch: Pa
     """Run a family test (each of its cells, or the one its parameters name) in its set's environment and read back its cells."""
     matrix = scratch / "matrix.json"
     matrix.unlink(missing_ok=True)
-    subprocess.run([str(python), "-m", "pytest", test.text, "-q", "-p", "no:cacheprovider", f"--stackcheck-set={cell_set.name}",
-                    f"--stackcheck-results={matrix}"], cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True)
-    cells = [c for c in results.load(matrix)["cells"] if test.names(c["test"])]
+    subprocess.run([str(python), "-m", "pytest", test.text, "-q", "-p", "no:cacheprovider", protocol.option(protocol.SET_OPTION, cell_set.name),
+                    protocol.option(protocol.RESULTS_OPTION, matrix)], cwd=REPO_ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True)
+    cells = [c for c in results.load(matrix)["cells"] if test.names(c.test)]
     if not cells:
         raise UsageError(f"no cell {test.text} in set {cell_set.name}: check its parameters ({lane.TEST_ID_FORM})")
-    return [Cell(c["set"], c["test"], c["verdict"], c.get("signature"), c.get("bug")) for c in cells]
+    return cells
 
 
 def collected(python: Path, test: str, scratch: Path) -> dict:
@@ -196,7 +173,7 @@ def export(cell: Cell, cell_set: VersionSet, python: Path, output: Path, recorde
     header = (f'"""Reproduces stackcheck cell {cell.test} on set {cell.set_name} ({cell.verdict}'
               f'{": " + cell.bug if cell.bug else ""}).\n\nExpected failure: {cell.failure}\n"""')
     try:
-        script = repro_script.build(cell.family, cell.function, wanted["params"], wanted["fixtures"], lane_of(cell.test), header,
+        script = repro_script.build(cell.family, cell.function, wanted["params"], wanted["fixtures"], cell.lane, header,
                                     wanted["arch"])
     except repro_script.ReproUnsupported as exc:
         return Outcome(cell, folder, False, f"not exported: {exc}")
@@ -246,7 +223,7 @@ def run(args) -> int:
             entry = recorded_sets.get(name, {})
             recorded = {"versions": {k: v for k, v in entry.items() if isinstance(v, str)}, "platform": entry.get("platform", {})}
         for cell in chosen:
-            if lane_of(cell.test) == "gpu" and not gpu_host():
+            if cell.lane == "gpu" and not gpu_host():
                 outcomes.append(Outcome(cell, args.output, False, "not exported: a GPU-lane cell needs a GPU host"))
                 continue
             if cell.verdict not in FAILING:

@@ -4,6 +4,7 @@ here; test_real_sets.py runs the gate itself on real sets."""
 import pytest
 
 from stackcheck import cli, gate
+from stackcheck.core.cell import Cell
 
 SEED = {"python": "3.11.7", "torch": "2.13.0", "transformers": "5.6.2", "peft": "0.19.1", "accelerate": "1.13.0", "bitsandbytes": "0.49.2"}
 
@@ -12,8 +13,8 @@ def run(name, versions, *cells):
     """A one-set results dict; each cell is (family, verdict, bug)."""
     return {
         "sets": {name: versions},
-        "cells": [{"set": name, "family": family, "test": f"tests/families/test_{family}.py::t{i}", "lane": "cpu",
-                   "verdict": verdict, "bug": bug, "signature": f"{verdict} sig" if verdict != "pass" else None, "seconds": 1.0}
+        "cells": [Cell(name, family, f"tests/families/test_{family}.py::t{i}", "cpu", verdict, bug=bug,
+                       signature=f"{verdict} sig" if verdict != "pass" else None, seconds=1.0)
                   for i, (family, verdict, bug) in enumerate(cells)],
     }
 

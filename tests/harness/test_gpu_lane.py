@@ -38,29 +38,12 @@ def test_gpu_matrix_without_a_gpu_is_one_line_and_exit_2():
     assert run.stderr.count("\n") == 1 and run.stderr.startswith("stackcheck: no GPU: torch"), run.stderr
 
 
-def test_a_set_counts_as_run_on_the_gpu_only_when_a_gpu_cell_ran(tmp_path):
+def test_a_set_counts_as_run_on_the_gpu_only_when_a_gpu_cell_of_the_run_ran(tmp_path):
     path = tmp_path / "matrix.json"
     results.record_set(path, "seed", VERSIONS)
     results.record_cells(path, [cell("t[cpu]", "pass")])
-    results.record_cells(path, [dict(cell("t[gpu]", "skipped"), lane="gpu")])
+    results.record_cells(path, [cell("t[gpu]", "skipped", lane="gpu", run="r2")])
     assert not results.ran_in_lane(path, "seed", "gpu")
-    results.record_cells(path, [dict(cell("u[gpu]", "known_bug", bug="shared_kv_redispatch"), lane="gpu")])
+    results.record_cells(path, [cell("u[gpu]", "known_bug", bug="shared_kv_redispatch", lane="gpu", run="r1")])
     assert results.ran_in_lane(path, "seed", "gpu")
-
-
-def test_a_rerun_forgets_only_the_lanes_it_runs(tmp_path):
-    path = tmp_path / "matrix.json"
-    results.record_set(path, "seed", VERSIONS)
-    results.record_cells(path, [cell("t[cpu]", "pass")])
-    results.record_cells(path, [dict(cell("t[gpu]", "pass"), lane="gpu")])
-    results.forget_cells(path, "seed", ["cpu"])
-    assert [c["test"] for c in results.load(path)["cells"]] == ["t[gpu]"]
-    assert "| family | arch | seed (gpu) |" in path.with_suffix(".md").read_text()
-
-
-def test_a_rerun_of_some_families_keeps_the_others(tmp_path):
-    path = tmp_path / "matrix.json"
-    results.record_set(path, "seed", VERSIONS)
-    results.record_cells(path, [cell("t[cpu]", "pass"), dict(cell("u[cpu]", "pass"), family="zero3_lora")])
-    results.forget_cells(path, "seed", ["cpu"], ["zero3_lora"])
-    assert [c["test"] for c in results.load(path)["cells"]] == ["t[cpu]"]
+    assert not results.ran_in_lane(path, "seed", "gpu", run="r2")  # an earlier run's GPU cell does not count for this one

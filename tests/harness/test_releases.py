@@ -9,6 +9,7 @@ import pytest
 from packaging.version import Version
 
 from stackcheck import cli, envs, lane, results
+from stackcheck.core.cell import Cell
 from stackcheck.releases import probes
 
 FAMILIES = "params4bit_kwargs,cache_parity"
@@ -43,7 +44,7 @@ def runner(monkeypatch, tmp_path):
         state["calls"].append(version)
         results.record_set(results_path, vset.name, {package: pin.version for package, pin in vset.pins.items()})  # as the plugin does
         families = {t.removeprefix("tests/families/test_").removesuffix(".py") for t in targets}
-        cells = [dict(c, set=vset.name, note=None, seconds=0.1) for c in scripted_cells(version) if c["family"] in families]
+        cells = [Cell.from_dict(dict(c, set=vset.name, note=None, seconds=0.1)) for c in scripted_cells(version) if c["family"] in families]
         return cells, {"environment": 0.0, "startup": 1.0, "fixtures": 0.0, "tests": 0.5, "exit": 0.1, "total": 1.6}
 
     monkeypatch.setattr(lane, "run_timed", run_timed)

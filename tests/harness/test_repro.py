@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from stackcheck import cli
+from stackcheck.core.cell import Cell
 from stackcheck.triage import repro, repro_script
 from stackcheck.ledger import Ledger
 from stackcheck.versions import default_set, installed_versions
@@ -35,7 +36,7 @@ def test_a_fixture_the_script_cannot_stand_in_for_is_refused():
 
 def test_the_export_fails_with_the_cells_signature_only_where_the_bug_is(tmp_path):
     affected = Ledger().bugs["params4bit_kwargs"].affects(installed_versions())
-    cell = repro.Cell(default_set().name, CELL_TEST, "known_bug", SIGNATURE, "params4bit_kwargs")
+    cell = Cell(default_set().name, "params4bit_kwargs", CELL_TEST, "cpu", "known_bug", "gemma4", SIGNATURE, "params4bit_kwargs")
 
     outcome = repro.export(cell, default_set(), Path(sys.executable), tmp_path, {"versions": installed_versions()}, Ledger())
 

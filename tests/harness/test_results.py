@@ -6,21 +6,22 @@ import os
 import pytest
 
 from stackcheck import cli, results
+from stackcheck.core.cell import Cell
 from stackcheck.versions import UsageError
 
 VERSIONS = {"python": "3.11", "torch": "2.13.0", "transformers": "5.6.2", "peft": "0.19.1", "accelerate": "1.13.0", "bitsandbytes": "0.49.2"}
 
 
-def cell(test, verdict, set_name="seed", bug=None):
-    return {"set": set_name, "family": "shared_kv_redispatch", "test": test, "lane": "cpu", "verdict": verdict,
-            "signature": "KeyError: 2 @ x" if bug else None, "bug": bug, "seconds": 1.5}
+def cell(test, verdict, set_name="seed", bug=None, **fields):
+    return Cell(set_name, fields.pop("family", "shared_kv_redispatch"), test, fields.pop("lane", "cpu"), verdict,
+                signature="KeyError: 2 @ x" if bug else None, bug=bug, seconds=1.5, **fields)
 
 
 def test_each_cell_is_on_disk_as_soon_as_it_is_recorded(tmp_path):
     path = tmp_path / "matrix.json"
     results.record_set(path, "seed", VERSIONS)
     results.record_cells(path, [cell("t1", "known_bug", bug="shared_kv_redispatch")])
-    assert [c["test"] for c in json.loads(path.read_text())["cells"]] == ["t1"]
+    assert [c["test"] for c in json.loads(path.read_text())["cells"]] == ["t1"]  # on disk, as matrix.json holds it
     results.record_cells(path, [cell("t2", "pass")])
     data = json.loads(path.read_text())
     assert {c["test"] for c in data["cells"]} == {"t1", "t2"}
@@ -34,10 +35,10 @@ def test_each_cell_is_on_disk_as_soon_as_it_is_recorded(tmp_path):
 def test_merge_is_idempotent_and_replaces_a_rerun_cell():
     run = {"sets": {"seed": VERSIONS}, "cells": [cell("t1", "known_bug", bug="shared_kv_redispatch")]}
     merged = results.merge_into(results.empty(), run)
-    again = results.merge_into(json.loads(json.dumps(merged)), run)
+    again = results.merge_into(results._decoded(json.loads(json.dumps(merged, default=Cell.to_dict))), run)
     assert again == merged
     rerun = {"sets": {"seed": VERSIONS}, "cells": [cell("t1", "pass")]}
-    assert [c["verdict"] for c in results.merge_into(merged, rerun)["cells"]] == ["pass"]
+    assert [c.verdict for c in results.merge_into(merged, rerun)["cells"]] == ["pass"]
 
 
 def test_merge_refuses_one_set_name_with_two_version_lists():
@@ -66,7 +67,7 @@ def test_merge_files_is_idempotent(tmp_path):
     output = tmp_path / "merged" / "matrix.json"
     merged = results.merge_files([seed, latest], output)
     written = output.read_text(), output.with_suffix(".md").read_text()
-    assert {c["set"] for c in merged["cells"]} == {"seed", "latest"}
+    assert {c.set_name for c in merged["cells"]} == {"seed", "latest"}
     assert results.merge_files([latest, seed, latest, output], output) == merged
     assert (output.read_text(), output.with_suffix(".md").read_text()) == written
 
@@ -101,7 +102,7 @@ def test_a_set_recorded_with_new_pins_or_platform_loses_every_lanes_old_cells(tm
     """After refresh-latest (new pins) or on another machine, no GPU cell stays listed under the new set."""
     path = tmp_path / "matrix.json"
     results.record_set(path, "seed", VERSIONS, PLATFORM)
-    results.record_cells(path, [cell("t[cpu]", "pass"), dict(cell("t[gpu]", "pass"), lane="gpu")])
+    results.record_cells(path, [cell("t[cpu]", "pass"), cell("t[gpu]", "pass", lane="gpu")])
     results.record_set(path, "seed", VERSIONS, PLATFORM)  # the same pins and platform keep them
     assert len(results.load(path)["cells"]) == 2
     results.record_set(path, "seed", dict(VERSIONS, transformers="5.23.0"), PLATFORM)
@@ -123,7 +124,7 @@ def test_cells_of_a_run_whose_file_was_taken_over_follow_its_earlier_cells(tmp_p
     results.write_json(path, {"fingerprint": "f" * 16, "sets": {"latest": VERSIONS}, "cells": []})
     results.record_cells(path, [cell("t2", "pass")], ours)
     assert results.load(path)["cells"] == []
-    assert [c["test"] for c in results.load(results.stale_path(path, ours))["cells"]] == ["t2"]
+    assert [c.test for c in results.load(results.stale_path(path, ours))["cells"]] == ["t2"]
 
 
 def test_report_hides_nothing(tmp_path):
@@ -132,9 +133,9 @@ def test_report_hides_nothing(tmp_path):
     results.record_set(path, "seed", VERSIONS, PLATFORM)
     results.record_cells(path, [
         cell("a", "known_bug", bug="shared_kv_redispatch"),
-        dict(cell("b", "fixed", bug="shared_kv_redispatch"), note="passes although the ledger says these versions have it"),
-        dict(cell("c", "skipped"), note="depends on the CPU", family="bnb_cpu_packed_width"),
-        dict(cell("d", "pass"), family="merge_parity", lane="gpu"),
+        cell("b", "fixed", bug="shared_kv_redispatch", note="passes although the ledger says these versions have it"),
+        cell("c", "skipped", note="depends on the CPU", family="bnb_cpu_packed_width"),
+        cell("d", "pass", family="merge_parity", lane="gpu"),
     ])
     markdown = path.with_suffix(".md").read_text()
     assert "| shared_kv_redispatch | - | **missing** | **fixed** [shared_kv_redispatch](" in markdown
@@ -183,3 +184,52 @@ def test_concurrent_writers_lose_nothing_and_leave_no_lock_file(tmp_path):
         worker.join(60)
     assert len(json.loads(path.read_text())["cells"]) == 40
     assert sorted(p.name for p in tmp_path.iterdir()) == ["matrix.json", "matrix.md"]  # no .lock, no temporary file
+
+
+def placeholder(test, **fields):
+    return Cell.lost("seed", fields.pop("family", "shared_kv_redispatch"), test, [], run=fields.pop("run", "r2"), **fields)
+
+
+def test_a_run_replaces_only_the_cells_it_collected(tmp_path):
+    """A `-k` re-check, another architecture, lane or family keeps every cell it did not collect."""
+    path = tmp_path / "matrix.json"
+    results.record_set(path, "seed", VERSIONS)
+    kept = [cell("t[gpu]", "pass", lane="gpu"), cell("u[cpu-phi4]", "pass"), cell("v[cpu]", "pass", family="merge_parity")]
+    results.record_cells(path, [cell("t[cpu-llama3]", "known_bug", bug="shared_kv_redispatch"), *kept])
+    replaced = results.begin_run(path, "seed", VERSIONS, None, [placeholder("t[cpu-llama3]")])
+    assert [c.verdict for c in replaced.values()] == ["known_bug"]
+    results.record_cells(path, [cell("t[cpu-llama3]", "pass", run="r2")])
+    cells = {c.test: c for c in results.load(path)["cells"]}
+    assert cells["t[cpu-llama3]"].verdict == "pass" and all(cells[c.test] == c for c in kept)
+
+
+def test_a_family_that_imports_again_loses_its_module_cells(tmp_path):
+    path = tmp_path / "matrix.json"
+    results.record_set(path, "seed", VERSIONS)
+    broken = Cell.lost("seed", "shared_kv_redispatch", "tests/families/test_shared_kv_redispatch.py[cpu]", [], "family module does not import: x")
+    other = Cell.lost("seed", "merge_parity", "tests/families/test_merge_parity.py[cpu]", [], "family module does not import: y")
+    results.record_cells(path, [broken, other])
+    results.begin_run(path, "seed", VERSIONS, None, [placeholder("t[cpu]")])
+    assert {c.test for c in results.load(path)["cells"]} == {"t[cpu]", other.test}
+
+
+def test_a_run_that_stops_early_puts_back_what_its_placeholders_replaced(tmp_path):
+    """Ctrl-C, -x or --maxfail: cells without a verdict of this run get their earlier cell back; a cell it judged,
+    or one a later run recorded meanwhile, stays."""
+    path = tmp_path / "matrix.json"
+    results.record_set(path, "seed", VERSIONS)
+    before = [cell(test, "known_bug", bug="shared_kv_redispatch", run="r1") for test in ("a[cpu]", "b[cpu]", "c[cpu]")]
+    results.record_cells(path, before)
+    replaced = results.begin_run(path, "seed", VERSIONS, None, [placeholder(c.test) for c in before])
+    results.record_cells(path, [cell("a[cpu]", "pass", run="r2"), cell("c[cpu]", "pass", run="r3")])
+    results.end_run(path, list(replaced.values()), "r2")
+    assert {c.test: (c.verdict, c.run) for c in results.load(path)["cells"]} == {
+        "a[cpu]": ("pass", "r2"), "b[cpu]": ("known_bug", "r1"), "c[cpu]": ("pass", "r3")}
+
+
+def test_a_cell_survives_the_file_as_it_is_and_keeps_keys_it_does_not_know():
+    data = {"set": "seed", "family": "f", "test": "t[cpu]", "lane": "cpu", "arch": None, "verdict": "error", "signature": "s",
+            "bug": None, "note": None, "seconds": 0.5, "ranks": [{"rank": 0}], "run": "r", "from_the_future": 1}
+    assert Cell.from_dict(data).to_dict() == data
+    old = {k: v for k, v in data.items() if k in results.CELL_KEYS}  # a cell of a file from before `ranks` and `run`
+    assert Cell.from_dict(old).to_dict() == old

@@ -1,0 +1,105 @@
+"""The cell: one family test's verdict in one set, lane and architecture, as the plugin records it in
+matrix.json and every command reads it back (the matrix, the gate, repro, bisect and history).
+
+On disk a cell is a JSON object with the keys of `KEYS` (always all of them, null where nothing applies),
+`ranks` for a distributed job and `run` for the run that recorded it; keys a later stackcheck adds are kept
+as they are. `Cell.from_dict(cell.to_dict()) == cell`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from stackcheck.ledger import ERROR
+
+# The keys every recorded cell has, in this order (matrix.json's format).
+KEYS = ("set", "family", "test", "lane", "arch", "verdict", "signature", "bug", "note", "seconds")
+# Keys a cell has only where they apply: a distributed job's ranks (stackcheck.distributed.outcome.rank_record),
+# and the id of the pytest run that recorded it (stackcheck.protocol.RUN_ENV).
+OPTIONAL_KEYS = ("ranks", "run")
+LOST = "cell lost: the run ended before this cell's verdict (a crashed worker or process)"
+
+
+def lane_of(nodeid: str) -> str:
+    """The lane is the first parameter of every family test (`test_x[cpu-nf4]`)."""
+    params = nodeid.partition("[")[2]
+    return params.split("-", 1)[0].rstrip("]") if params else "cpu"
+
+
+def arch_of(nodeid: str, arch_names: list[str]) -> str | None:
+    """The architecture of a family test id, its second parameter (`test_x[cpu-llama3-nf4]`); None for a test
+    that builds no model (its second parameter, if any, is no architecture of the run)."""
+    params = nodeid.partition("[")[2].rstrip("]").split("-")
+    return params[1] if len(params) > 1 and params[1] in arch_names else None
+
+
+@dataclass(frozen=True)
+class Cell:
+    set_name: str
+    family: str
+    test: str  # the pytest node id, or `<module>[<lane>]` for a module that did not import
+    lane: str
+    verdict: str  # a stackcheck.ledger.Verdict's value
+    arch: str | None = None  # None: the test builds no model
+    signature: str | None = None  # "Type: first line @ raising frame"
+    bug: str | None = None
+    note: str | None = None
+    seconds: float = 0.0
+    ranks: list[dict] | None = None
+    run: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # keys of a later format, kept as they are
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """What a cell of a later run replaces: the same set, lane and test."""
+        return self.set_name, self.lane, self.test
+
+    @property
+    def function(self) -> str:
+        """The test function's name."""
+        return self.test.split("::", 1)[-1].split("[", 1)[0]
+
+    @property
+    def failure(self) -> str:
+        """"Type: first line", the signature without its raising frame."""
+        return (self.signature or "").rsplit(" @ ", 1)[0]
+
+    @property
+    def module_level(self) -> bool:
+        """A cell of a whole module (it did not import, or its environment was not built), not of one test."""
+        return "::" not in self.test and self.test.partition("[")[0].endswith(".py")
+
+    def replace(self, **changes) -> Cell:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def judged(cls, set_name: str, family: str, nodeid: str, arch_names: list[str], judgement, seconds: float = 0.0,
+               run: str | None = None) -> Cell:
+        """The cell of a test the ledger judged (a stackcheck.ledger.Judgement)."""
+        return cls(set_name, family, nodeid, lane_of(nodeid), str(judgement.verdict), arch_of(nodeid, arch_names),
+                   judgement.signature, judgement.bug, judgement.note, seconds, run=run)
+
+    @classmethod
+    def lost(cls, set_name: str, family: str, nodeid: str, arch_names: list[str], signature: str = LOST,
+             note: str | None = None, run: str | None = None) -> Cell:
+        """An `error` cell with no verdict of its own: the placeholder of a collected test until its verdict comes,
+        a test whose worker crashed, a module that did not import."""
+        return cls(set_name, family, nodeid, lane_of(nodeid), str(ERROR), arch_of(nodeid, arch_names), signature, None, note,
+                   0.0, run=run)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Cell:
+        """A cell as matrix.json holds it (checked by stackcheck.results.load_checked where it comes from outside)."""
+        known = {*KEYS, *OPTIONAL_KEYS}
+        return cls(data["set"], data["family"], data["test"], data["lane"], str(data["verdict"]), data.get("arch"),
+                   data.get("signature"), data.get("bug"), data.get("note"), data.get("seconds", 0.0),
+                   data.get("ranks"), data.get("run"), {k: v for k, v in data.items() if k not in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {"set": self.set_name, "family": self.family, "test": self.test, "lane": self.lane, "arch": self.arch,
+                "verdict": self.verdict, "signature": self.signature, "bug": self.bug, "note": self.note,
+                "seconds": self.seconds}
+        data |= {key: value for key, value in (("ranks", self.ranks), ("run", self.run)) if value is not None}
+        return self.extra | data
