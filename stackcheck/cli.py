@@ -8,23 +8,25 @@ import re
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, envs, gate, inputs, report, results, wheelhouse
+from stackcheck import REPO_ROOT, envs, exitcodes, gate, inputs, report, results, wheelhouse
 from stackcheck.bench import compare as bench_compare, report as bench_report
 from stackcheck.releases import bisect, history
 from stackcheck.releases.probes import DEFAULT_STORE
 from stackcheck.triage import doctor, repro, scan
 from stackcheck.releases import watch as watch_module
-from stackcheck.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, check_ledger, family_targets, record_unbuildable, run_pytest
-from stackcheck.ledger import LedgerError
+from stackcheck.core.cell import Cell
+from stackcheck.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, build_all, check_ledger, family_targets, new_run_id, run_pytest
+from stackcheck.ledger import Ledger, LedgerError
+from stackcheck.protocol import ARCH_OPTION, DEFAULT_RESULTS, RESULTS_DIR, option
 from stackcheck.progress import Progress
 from stackcheck.models import architectures
-from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, load_sets, refresh_latest, resolve
+from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, load_sets, parse_pin, refresh_latest, resolve
 
-DEFAULT_RESULTS = REPO_ROOT / "results" / "matrix.json"
 STORE_HELP = "the probe store that history, bisect and watch share (default: results/probes.json)"
-BENCH_RESULTS = REPO_ROOT / "results" / "bench"
+BENCH_RESULTS = RESULTS_DIR / "bench"
 
 
 def absolute_path(text: str) -> Path:
@@ -120,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
         matrix.add_argument("--arch", action=inputs.ListOption, help=ARCH_HELP)
         matrix.add_argument("--families", action=inputs.ListOption, help="comma-separated families (default: all)")
         matrix.add_argument("--results", type=absolute_path, default=DEFAULT_RESULTS, help="matrix.json to write")
+        matrix.add_argument("--fail-on", metavar="OUTCOMES", help=exitcodes.FAIL_ON_HELP.format(default=",".join(exitcodes.TEST_FAIL_ON)))
         matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
 
     tests = commands.add_parser("tests", help="the harness's own tests plus the CPU lane on one set")
@@ -130,6 +133,8 @@ def _parser() -> argparse.ArgumentParser:
 
     versions = commands.add_parser("versions", help="print the resolved pins of each set")
     add_set_options(versions, many=True)
+    versions.add_argument("--check", action="store_true",
+                          help="ask the package index (or --find-links) whether each --with pin exists; without it the pins are not checked")
 
     house = commands.add_parser("wheelhouse", help="download the wheels the sets need, for an offline target")
     add_set_options(house, many=True)
@@ -201,7 +206,7 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--candidate", help="candidate set name (default: the baseline set, with the --with pins)")
     gate.add_argument("--families", action=inputs.ListOption, help="comma-separated families (default: all)")
     gate.add_argument("--arch", action=inputs.ListOption, help=ARCH_HELP)
-    gate.add_argument("--output", type=absolute_path, default=REPO_ROOT / "results" / "gate", help="folder for matrix.json and summary.md")
+    gate.add_argument("--output", type=absolute_path, default=RESULTS_DIR / "gate", help="folder for matrix.json and summary.md")
     gate.add_argument("--bench", choices=("smoke", "tiny", "realistic", "all"),
                       help="also compare the bench of both sets as ratios (smoke runs on the CPU)")
 
@@ -209,12 +214,13 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--python", help="the interpreter whose packages to read (default: this one)")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("--arch", help="only the known bugs that can live on this built-in architecture")
+    doctor.add_argument("--fail-on", metavar="OUTCOMES", help=exitcodes.FAIL_ON_HELP.format(default=",".join(exitcodes.INSTALL_FAIL_ON)))
 
     repro = commands.add_parser("repro", help="issue-ready standalone reproductions of failing cells, checked by running them")
     repro.add_argument("--from", dest="source", type=absolute_path, help="a matrix.json: export every failing cell in it")
     add_set_options(repro, many=True)  # --sets filters --from; with --test, --sets names the one set
     repro.add_argument("--test", help="one family test id, tests/families/test_<family>.py::<test>[<lane>-...]")
-    repro.add_argument("--output", type=absolute_path, default=REPO_ROOT / "results" / "repro", help="folder to write into")
+    repro.add_argument("--output", type=absolute_path, default=RESULTS_DIR / "repro", help="folder to write into")
 
     scan = commands.add_parser("scan", help="preflight a model folder (and adapter folder) on the meta device")
     scan.add_argument("model", type=absolute_path, help="folder with the model's config.json (no weights are read)")
@@ -224,6 +230,7 @@ def _parser() -> argparse.ArgumentParser:
     scan.add_argument("--quantization", help="BitsAndBytesConfig arguments, as JSON or a .json file")
     scan.add_argument("--python", help="the interpreter whose libraries build the model (default: this one)")
     scan.add_argument("--json", action="store_true", help="print the report as JSON")
+    scan.add_argument("--fail-on", metavar="OUTCOMES", help=exitcodes.FAIL_ON_HELP.format(default=",".join(exitcodes.INSTALL_FAIL_ON)))
 
     report.add_arguments(commands.add_parser("report", help="one self-contained HTML page from results: the verdict grid, history, bench"))
 
@@ -249,10 +256,12 @@ def gpu_device(on_the_cpu: str) -> str:
 
 
 def run_matrix(args) -> int:
-    """`matrix` runs the CPU lane; `gpu-matrix` both lanes, and fails when no GPU cell really ran."""
+    """`matrix` runs the CPU lane; `gpu-matrix` both lanes, and fails when no GPU cell really ran. Every set's
+    environment is built before any set runs; the exit code follows --fail-on over the cells this run recorded."""
     check_file_option("--results", args.results)
     if args.results.exists():
         results.load_checked(args.results)  # the sets record into it: a corrupt one would fail only after a build
+    fail_on = exitcodes.parse_fail_on(args.fail_on) if args.fail_on is not None else exitcodes.rule(args.command).fail_on
     gpu = args.command == "gpu-matrix"
     if gpu:
         print(f"== device: {gpu_device('`matrix` runs the CPU lane alone')}", flush=True)
@@ -262,39 +271,51 @@ def run_matrix(args) -> int:
     targets = family_targets(families)
     lanes = ["gpu", "cpu"] if gpu else ["cpu"]
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    failed = []
+    pythons = build_all(sets, args.find_links, args.no_index)
+    incomplete, cells = [], []
     tracker = Progress(args.command, len(sets), "set")
+    ledger = Ledger()
     for vset in sets:
-        started = time.monotonic()
         print(f"== set {vset.name}: {', '.join(f'{k} {v}' for k, v in vset.pins.items())}", flush=True)
-        try:
-            python = envs.build(vset, args.find_links, args.no_index)
-            print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
-        except envs.EnvBuildError as exc:
-            record_unbuildable(args.results, vset, str(exc))
-            failed.append(vset.name)
-            tracker.finished(vset.name, 0)
-            continue
-        results.forget_cells(args.results, vset.name, lanes, families)  # a re-run replaces the set's cells it runs
-        lane_started = time.monotonic()
+        started, run = time.monotonic(), new_run_id()
         selection = [] if gpu else [CPU_LANE]
         # Every set after the first loads the adapter the first one trained (stackcheck.exchange).
-        code = run_pytest(python, vset, targets, ["-q", *selection, *arch_options(args.arch), *args.pytest_args],
-                          args.results, sets[0].name, tracker.env())
-        tracker.finished(vset.name, sum(1 for c in results.load(args.results)["cells"] if c["set"] == vset.name and c["lane"] in lanes))
+        code = run_pytest(pythons[vset.name], vset, targets, ["-q", *selection, *arch_options(args.arch), *args.pytest_args],
+                          args.results, sets[0].name, tracker.env(), run=run)
+        ran = results.cells_of_run(args.results, vset.name, run)
+        cells += ran
+        tracker.finished(vset.name, len(ran))
         if code == 4:  # pytest's usage error: it printed the reason (a bad pytest argument, or the ledger)
-            raise UsageError(f"set {vset.name}: pytest refused the run (its ERROR line above)")
-        print(f"== set {vset.name}: pytest exit {code}, {'+'.join(lanes)} lanes {time.monotonic() - lane_started:.1f} s, "
-              f"with environment {time.monotonic() - started:.1f} s", flush=True)
+            raise UsageError(f"set {vset.name}: pytest refused the run (its ERROR line above); nothing was recorded")
+        if code == 5:
+            raise UsageError(f"set {vset.name}: the selection collected no test; nothing was run or recorded")
+        print(f"== set {vset.name}: pytest exit {code}, {'+'.join(lanes)} lanes {time.monotonic() - started:.1f} s", flush=True)
         if code not in (0, 1):  # 1 only means some cells are not `pass`; their verdicts are recorded
-            failed.append(vset.name)
-        elif gpu and not results.ran_in_lane(args.results, vset.name, "gpu"):
+            incomplete.append(vset.name)
+        elif gpu and not results.ran_in_lane(args.results, vset.name, "gpu", run):
             print(f"stackcheck: set {vset.name}: every GPU cell was skipped or missing", file=sys.stderr)
-            failed.append(vset.name)
+            incomplete.append(vset.name)
     print(f"wrote {args.results} and {args.results.with_suffix('.md')}")
-    if failed:
-        print(f"stackcheck: sets without a complete run: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
+    if incomplete:
+        print(f"stackcheck: sets without a complete run: {', '.join(incomplete)}", file=sys.stderr)
+    return failing_cells(cells, ledger, fail_on, incomplete)
+
+
+def failing_cells(cells: list[Cell], ledger: Ledger, fail_on: tuple[str, ...], incomplete: list[str] = ()) -> int:
+    """The exit code of a verdict command by the rule (stackcheck.exitcodes): 1 when a cell (or an incomplete run,
+    an `error`) is one of the `fail_on` outcomes, saying which and how many; else 0."""
+    found: dict[str, int] = {}
+    for cell in cells:
+        for outcome in exitcodes.outcomes_of_cell(cell.verdict, ledger.bugs.get(cell.bug) if cell.bug else None):
+            found[outcome] = found.get(outcome, 0) + 1
+    if incomplete:
+        found[exitcodes.ERROR] = found.get(exitcodes.ERROR, 0) + len(incomplete)
+    failing = {outcome: count for outcome, count in found.items() if outcome in fail_on}
+    if failing:
+        print(f"stackcheck: exit 1: {', '.join(f'{count} {outcome}' for outcome, count in failing.items())} "
+              f"(--fail-on {','.join(fail_on)}; docs/exit-codes.md)", file=sys.stderr)
+        return exitcodes.FAILED
+    return exitcodes.OK
 
 
 def run_tests(args) -> int:
@@ -304,8 +325,11 @@ def run_tests(args) -> int:
     print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
     # CI's run: the families on the seed's architecture unless --arch widens it (new architectures still have
     # unexplained new failures, which `matrix` shows: see docs/architectures.md).
-    arch = arch_options(args.arch) or [f"--stackcheck-arch={architectures.SEED_ARCHITECTURE}"]
-    return run_pytest(python, vset, ["tests"], [*arch, *args.pytest_args], None)
+    arch = arch_options(args.arch) or [option(ARCH_OPTION, architectures.SEED_ARCHITECTURE)]
+    code = run_pytest(python, vset, ["tests"], [*arch, *args.pytest_args], None)
+    if code in (4, 5):
+        raise UsageError("pytest refused the run (its ERROR line above)" if code == 4 else "the selection collected no test")
+    return exitcodes.from_pytest(code)
 
 
 def run_bench(args) -> int:
@@ -322,8 +346,9 @@ def run_bench(args) -> int:
     if not (args.smoke or args.render_only):
         print(f"== device: {gpu_device('`bench --smoke` runs on the CPU')}", flush=True)
     args.results.mkdir(parents=True, exist_ok=True)
+    pythons = {} if args.render_only else build_all(sets, args.find_links, args.no_index, envs.BENCH_GROUPS)
     failed = [] if args.render_only else [v.name for v in sets if not bench_set(
-        v, size, args.results, args.find_links, args.no_index, args.repeat, args.smoke, args.pytest_args)]
+        v, pythons[v.name], size, args.results, args.repeat, args.smoke, args.pytest_args)]
     runs = {vset.name: bench_compare.load(path) for vset in sets if (path := args.results / f"{vset.slug}.json").exists()}
     if baseline not in runs:
         print(f"stackcheck: no bench results for the baseline set '{baseline}' in {args.results}", file=sys.stderr)
@@ -335,6 +360,23 @@ def run_bench(args) -> int:
     if failed:
         print(f"stackcheck: sets with failed or missing benchmarks: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def run_versions(args) -> int:
+    """Each set's pins. A --with pin is what the user typed: printed as given, checked against the package index
+    with --check (a command that builds an environment checks it before running anything, exit 2 if it cannot)."""
+    sets = _selected(args)
+    pins = [parse_pin(token) for token in args.overrides] if args.overrides else []
+    if args.check and pins:
+        envs.check_available([pin.requirement() for pin in pins], args.find_links, args.no_index)
+    for vset in sets:
+        print(f"{vset.name}: " + ", ".join(f"{k} {v}" for k, v in vset.pins.items()))
+    if pins and not args.check:
+        print(f"stackcheck: the --with pins ({', '.join(args.overrides)}) are not checked against the package index: "
+              "--check asks it; matrix, tests, gate and bench check them when they build the environment", file=sys.stderr)
+    elif pins:
+        print(f"stackcheck: the package index has {', '.join(pin.requirement() for pin in pins)}", file=sys.stderr)
+    return exitcodes.OK
 
 
 def run_wheelhouse(args) -> int:
@@ -425,9 +467,7 @@ def _main(argv: list[str], parsed: list) -> int:
         if args.command == "tests":
             return run_tests(args)
         if args.command == "versions":
-            for vset in _selected(args):
-                print(f"{vset.name}: " + ", ".join(f"{k} {v}" for k, v in vset.pins.items()))
-            return 0
+            return run_versions(args)
         if args.command == "bench":
             return run_bench(args)
         if args.command == "refresh-latest":
@@ -473,4 +513,9 @@ def _main(argv: list[str], parsed: list) -> int:
         raise AssertionError(f"unhandled command {args.command}")  # argparse only accepts the commands above
     except (UsageError, envs.EnvBuildError, LedgerError) as exc:
         print(f"stackcheck: {exc}", file=sys.stderr)
-        return 2
+        return exitcodes.USAGE
+    except Exception:  # noqa: BLE001 - a bug of stackcheck: its traceback, and an exit code no finding has
+        traceback.print_exc()
+        print(f"stackcheck: internal error (exit {exitcodes.INTERNAL}): the traceback above is a bug of stackcheck",
+              file=sys.stderr)
+        return exitcodes.INTERNAL

@@ -12,21 +12,23 @@ import glob
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from stackcheck import REPO_ROOT
+from stackcheck import REPO_ROOT, protocol
 from stackcheck.versions import UsageError, VersionSet
 
 ENVS_DIR = REPO_ROOT / ".stackcheck" / "envs"
 # pip's find-links directory on this kind of machine holds the CPU torch wheel; uv does not look there.
-LOCAL_WHEEL_DIRS = [d for d in os.environ.get("STACKCHECK_WHEEL_DIRS", "/opt/wheels").split(os.pathsep) if d]
+LOCAL_WHEEL_DIRS = [d for d in os.environ.get(protocol.WHEEL_DIRS_ENV, "/opt/wheels").split(os.pathsep) if d]
 
 
 class EnvBuildError(Exception):
@@ -83,11 +85,57 @@ def torch_note(vset: VersionSet) -> str:
             "from PyPI that is a CUDA build of several GB: UV_TORCH_BACKEND=cpu takes the CPU build (docs/running.md)")
 
 
-def _run(command: list[str]) -> None:
-    print("+", " ".join(command), flush=True)
-    completed = subprocess.run(command)
+_HEADLINE = re.compile(r"^(?:×|error:|ERROR:)\s*", re.IGNORECASE)
+_CAUSE = re.compile(r"^(?:[├╰]─▶|cause:|caused by:)\s*", re.IGNORECASE)
+REASON_CHARS = 400
+
+
+def failure_reason(output: str) -> str:
+    """The one line that says why an installer failed, from its output: uv's headline with its innermost cause
+    (git's own `fatal:` line where a git pin failed), or pip's last ERROR line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    headlines = [_HEADLINE.sub("", line) for line in lines if _HEADLINE.match(line)]
+    innermost = ([line for line in lines if line.startswith("fatal:")] or [_CAUSE.sub("", line) for line in lines if _CAUSE.match(line)])[-1:]
+    if headlines and innermost:
+        reason = f"{headlines[0].rstrip(':')}: {innermost[0]}"
+    else:
+        reason = (headlines or lines or ["no output"])[-1]
+    return reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 3] + "..."
+
+
+def _run(command: list[str], log: Path | None = None, quiet: bool = False) -> None:
+    """Run an installer step; its error output is kept (in `log`) and, when it fails, its reason is the error's.
+    `quiet`: a check, whose command and output say nothing unless it fails."""
+    if not quiet:
+        print("+", " ".join(command), flush=True)
+    completed = subprocess.run(command, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE, text=True,
+                               errors="replace")
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(completed.stderr)
     if completed.returncode != 0:
-        raise EnvBuildError(f"`{' '.join(command[:3])} ...` exited with {completed.returncode}")
+        where = f" (its whole output: {log})" if log is not None else ""
+        raise EnvBuildError(f"{' '.join(Path(command[0]).name.split() + command[1:3])}: {failure_reason(completed.stderr)}{where}")
+    if completed.stderr.strip() and not quiet:
+        print(completed.stderr.rstrip(), file=sys.stderr, flush=True)  # warnings of a step that worked
+
+
+def check_available(requirements: list[str], find_links: list[str] = (), no_index: bool = False) -> None:
+    """Each requirement can be installed from the package index (or the --find-links folders) on this Python: asks
+    the index (uv pip compile --no-deps, else pip install --dry-run --no-deps), builds nothing. EnvBuildError with the
+    installer's reason otherwise."""
+    index_args = [arg for link in find_links for arg in ("--find-links", link)] + (["--no-index"] if no_index else [])
+    uv = shutil.which("uv")
+    with tempfile.TemporaryDirectory(prefix="stackcheck-pins-") as scratch:
+        listed = Path(scratch) / "requirements.txt"
+        listed.write_text("\n".join(requirements) + "\n")
+        if uv:
+            python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
+            _run([uv, "pip", "compile", "--quiet", "--no-deps", "--no-header", "--python-version", python_version,
+                  *index_args, str(listed)], quiet=True)
+        else:
+            _run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-deps", "--ignore-installed",
+                  "--disable-pip-version-check", *index_args, "-r", str(listed)], quiet=True)
 
 
 def environment_requirements(vset: VersionSet, groups: tuple[str, ...] = ()) -> tuple[list[str], bool]:
@@ -109,6 +157,7 @@ def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False, 
     if python.exists() and stamp.exists() and stamp.read_text() == wanted:
         return python
     shutil.rmtree(env, ignore_errors=True)
+    log = env.with_name(env.name + ".install.log")  # the installer's output, named in an EnvBuildError
     index_args = [arg for link in find_links for arg in ("--find-links", link)] + (["--no-index"] if no_index else [])
     uv = shutil.which("uv")
     resolved = resolved_wheels(vset, find_links) if inherit and no_index and uv else None
@@ -117,17 +166,17 @@ def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False, 
         # those wheels, uv's seconds instead of pip resolving again over the inherited packages (25 to 35 s).
         _run([sys.executable, "-m", "venv", "--without-pip", str(env)])
         inherit_host_site_packages(python)
-        _run([uv, "pip", "install", "--quiet", "--no-deps", "--offline", "--python", str(python), *map(str, resolved)])
+        _run([uv, "pip", "install", "--quiet", "--no-deps", "--offline", "--python", str(python), *map(str, resolved)], log=log)
     elif inherit:
         _run([sys.executable, "-m", "venv", "--without-pip", str(env)])
         inherit_host_site_packages(python)
-        _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *index_args, *requirements])
+        _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *index_args, *requirements], log=log)
     elif uv:
         _run([uv, "venv", "--quiet", "--python", sys.executable, str(env)])
-        _run([uv, "pip", "install", "--quiet", "--python", str(python), *index_args, *requirements])
+        _run([uv, "pip", "install", "--quiet", "--python", str(python), *index_args, *requirements], log=log)
     else:
         _run([sys.executable, "-m", "venv", str(env)])
-        _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *index_args, *requirements])
+        _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *index_args, *requirements], log=log)
     stamp.write_text(wanted)
     return python
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from dataclasses import asdict, dataclass
 
 from packaging.specifiers import Specifier
 
-from stackcheck import REPO_ROOT, hostinfo, inputs
+from stackcheck import REPO_ROOT, exitcodes, hostinfo, inputs
 from stackcheck.ledger import Bug, Ledger
 from stackcheck.models import architectures
 from stackcheck.versions import CURRENT_SET, LIBRARIES, UsageError, installed_versions
@@ -54,6 +55,11 @@ class Diagnosis:
     @property
     def fixed_in_a_release(self) -> bool:
         return any(remedy.upgrade for remedy in self.remedies)
+
+    @property
+    def outcomes(self) -> set[str]:
+        """What the bug counts as for `--fail-on` (stackcheck.exitcodes)."""
+        return {exitcodes.KNOWN_BUG} | ({exitcodes.FIXABLE} if self.fixed_in_a_release else set())
 
 
 def _leaving(spec: Specifier) -> tuple[str, bool] | None:
@@ -174,12 +180,29 @@ def builtin_arch(name: str) -> tuple[str, frozenset[str]]:
     return chosen.model_type, chosen.declared
 
 
+def fail_on(args) -> tuple[str, ...]:
+    """The outcomes that fail `doctor` and `scan`: `--fail-on`, else the install commands' default (stackcheck.exitcodes)."""
+    return exitcodes.parse_fail_on(args.fail_on) if getattr(args, "fail_on", None) is not None else exitcodes.INSTALL_FAIL_ON
+
+
+def exit_code(diagnoses: list[Diagnosis], fail_on: tuple[str, ...]) -> int:
+    """1 when a bug affecting the install is one of `fail_on` (by default: one that an upgrade leaves), saying which."""
+    failing = [d.bug for d in diagnoses if d.outcomes & set(fail_on)]
+    if failing:
+        print(f"stackcheck: exit 1: {len(failing)} known bugs of --fail-on {','.join(fail_on)} affect the install: "
+              f"{', '.join(failing)} (docs/exit-codes.md)", file=sys.stderr)
+        return exitcodes.FAILED
+    return exitcodes.OK
+
+
 def run(args) -> int:
-    """The `doctor` command: 1 when a known bug affects the install (for CI), 0 when none does."""
+    """The `doctor` command: 1 when a known bug of --fail-on affects the install (default: one that an upgrade
+    leaves), 0 otherwise; an install whose only bugs have no fix passes (stackcheck.exitcodes)."""
+    fail_on_outcomes = fail_on(args)
     versions = versions_of(args.python)
     require_stack(versions, args.python, "pass the environment's Python with --python")
     facts = hostinfo.cpu_facts()
     diagnoses = diagnose(Ledger(), versions, facts["cpu_flags"], builtin_arch(args.arch) if args.arch else None)
     verify = verify_command(versions, args.python is not None)
     print(json.dumps(report(versions, facts, diagnoses, verify), indent=2) if args.json else render(versions, facts, diagnoses, verify))
-    return 1 if diagnoses else 0
+    return exit_code(diagnoses, fail_on_outcomes)

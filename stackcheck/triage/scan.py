@@ -19,14 +19,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, hostinfo, inputs
+from stackcheck import REPO_ROOT, exitcodes, hostinfo, inputs, protocol
 from stackcheck.ledger import Ledger
 from stackcheck.models import architectures, footprint
 from stackcheck.triage import doctor
 from stackcheck.versions import UsageError, installed_versions
 
 # Set in the scan that `--python` starts in the other interpreter: that one scans in-process.
-IN_PYTHON_ENV = "STACKCHECK_SCAN_IN"
+IN_PYTHON_ENV = protocol.SCAN_IN_ENV
 
 # bitsandbytes' packed AVX512-BF16 CPU path (the bnb_cpu_packed_width family) packs the output rows in
 # blocks of 32 and reshapes the absmax per 64-wide input block.
@@ -294,8 +294,10 @@ def run_in(python: str, argv: list[str]) -> int:
 
 
 def run(args, argv: list[str]) -> int:
-    """The `scan` command: 1 when it finds a problem or a known bug affects the install, 0 otherwise."""
+    """The `scan` command: 1 when it finds a problem, or a known bug of --fail-on affects the install (default: one
+    that an upgrade leaves), 0 otherwise (stackcheck.exitcodes)."""
     config_data = read_folder("MODEL", args.model, "config.json")  # checked here, before another interpreter starts
+    fail_on = doctor.fail_on(args)
     adapter_config = read_folder("ADAPTER", args.adapter, "adapter_config.json") if args.adapter else None
     device_map = read_json_option("--device-map", args.device_map)
     max_memory = read_json_option("--max-memory", args.max_memory)
@@ -313,7 +315,8 @@ def run(args, argv: list[str]) -> int:
     model, architecture = build_on_meta(args.model, config_data)
     # The known bugs this architecture can have: its model type's, and those of families its structures let run.
     arch = (model.config.model_type, architectures.structures(model.config))
-    scan = Scan(str(args.model), architecture, known_bugs=[d.bug for d in doctor.diagnose(Ledger(), versions, cpu_flags, arch)])
+    diagnoses = doctor.diagnose(Ledger(), versions, cpu_flags, arch)
+    scan = Scan(str(args.model), architecture, known_bugs=[d.bug for d in diagnoses])
     if device_map is None and max_memory is not None:
         from accelerate import infer_auto_device_map
 
@@ -333,7 +336,10 @@ def run(args, argv: list[str]) -> int:
     check_kv_sharing(scan, model, device_map)
     checked = ["the model", *(["adapter"] if args.adapter else []), *(["options"] if device_map or quantization is not None else [])]
     print(json.dumps(asdict(scan), indent=2) if args.json else render(scan, versions, checked))
-    return 1 if scan.findings or scan.known_bugs else 0
+    if scan.findings:
+        print(f"stackcheck: exit 1: {sum(map(len, scan.findings.values()))} problems found (docs/exit-codes.md)", file=sys.stderr)
+        return exitcodes.FAILED
+    return doctor.exit_code(diagnoses, fail_on)
 
 
 def render(scan: Scan, versions: dict[str, str], checked: list[str]) -> str:
