@@ -230,7 +230,7 @@ def _parser() -> argparse.ArgumentParser:
     scan.add_argument("--quantization", help="BitsAndBytesConfig arguments, as JSON or a .json file")
     scan.add_argument("--python", help="the interpreter whose libraries build the model (default: this one)")
     scan.add_argument("--json", action="store_true", help="print the report as JSON")
-    scan.add_argument("--fail-on", metavar="OUTCOMES", help=exitcodes.FAIL_ON_HELP.format(default=",".join(exitcodes.INSTALL_FAIL_ON)))
+    scan.add_argument("--fail-on", metavar="OUTCOMES", help=exitcodes.FAIL_ON_HELP.format(default="none"))
 
     report.add_arguments(commands.add_parser("report", help="one self-contained HTML page from results: the verdict grid, history, bench"))
 

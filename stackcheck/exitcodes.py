@@ -36,9 +36,12 @@ OUTCOMES = {
 }
 # What the tests themselves count as failing (the plugin fails a test on these, and a known bug is an xfail).
 TEST_FAIL_ON = (NEW_FAILURE, ERROR, FIXED)
-# What an install is asked about (doctor, scan): a bug that an upgrade removes is something to do; one without a
-# fix is not, so an install whose only bugs have no fix passes.
+# What an install is asked about (doctor): a bug that an upgrade removes is something to do; one without a fix is
+# not, so an install whose only bugs have no fix passes.
 INSTALL_FAIL_ON = (FIXABLE,)
+# What a model is asked about (scan): the problems it finds in the model and the options; the known bugs it lists
+# are the install's, which doctor's exit code covers, so "no problems found" exits 0.
+SCAN_FAIL_ON = ()
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ COMMANDS = (
          "passed on the baseline no longer does or was not run, or (gate --bench) a ratio is past its threshold. "
          "`fixed` in the candidate is an improvement"),
     Rule(("doctor",), "a known bug of `--fail-on` affects the install", INSTALL_FAIL_ON),
-    Rule(("scan",), "a problem in the model, adapter or options; or a known bug of `--fail-on` affects the install", INSTALL_FAIL_ON),
+    Rule(("scan",), "a problem in the model, adapter or options (always); or a known bug of `--fail-on` affects the install", SCAN_FAIL_ON),
     Rule(("repro",), "a cell did not reproduce with its signature, or was not exported"),
     Rule(("bisect",), "no answer: the endpoints give the same verdicts, a probe could not decide, or the answer is ambiguous"),
     Rule(("history",), "a release in the range has no probe"),
@@ -115,15 +118,16 @@ def markdown() -> str:
     lines += ["", "What exit 1 means, command by command (`--fail-on` where a command takes it, with its default):", "",
               "| command | exit 1 when | `--fail-on` default |", "|---|---|---|"]
     for r in COMMANDS:
-        default = ", ".join(r.fail_on) if r.fail_on is not None else "-"
+        default = (", ".join(r.fail_on) or "none") if r.fail_on is not None else "-"
         lines.append(f"| {', '.join(f'`{c}`' for c in r.commands)} | {r.fails_on} | {default} |")
     lines += ["", "The outcomes `--fail-on` takes (`none`: never exit 1 for what the command finds):", "",
               "| outcome | counts |", "|---|---|"]
     lines += [f"| `{name}` | {meaning} |" for name, meaning in OUTCOMES.items()]
-    lines += ["", "Why two defaults: a verdict command (`matrix`) fails where the tests fail (`tests` is pytest itself): a "
-              "known bug that reproduces is the ledger's expectation met. An install command (`doctor`, `scan`) asks "
-              "what to change: a bug that an upgrade removes is something to do, one without a fix is not, so an install "
-              "whose only bugs have no fix exits 0. `--fail-on known_bug` fails on every known bug; `matrix --fail-on "
+    lines += ["", "Why the defaults differ: a verdict command (`matrix`) fails where the tests fail (`tests` is pytest itself): a "
+              "known bug that reproduces is the ledger's expectation met. `doctor` asks what to change in an install: a "
+              "bug that an upgrade removes is something to do, one without a fix is not, so an install whose only bugs "
+              "have no fix exits 0. `scan` asks about a model: it fails on the problems it finds there, and lists the "
+              "install's known bugs without failing on them (`--fail-on fixable` does), so \"no problems found\" is exit 0. `--fail-on known_bug` fails on every known bug; `matrix --fail-on "
               "new_failure,error,fixed,fixable` also on the known bugs that an upgrade of the set would remove.", ""]
     return "\n".join(lines)
 

@@ -180,9 +180,9 @@ def builtin_arch(name: str) -> tuple[str, frozenset[str]]:
     return chosen.model_type, chosen.declared
 
 
-def fail_on(args) -> tuple[str, ...]:
-    """The outcomes that fail `doctor` and `scan`: `--fail-on`, else the install commands' default (stackcheck.exitcodes)."""
-    return exitcodes.parse_fail_on(args.fail_on) if getattr(args, "fail_on", None) is not None else exitcodes.INSTALL_FAIL_ON
+def fail_on(args, default: tuple[str, ...] = exitcodes.INSTALL_FAIL_ON) -> tuple[str, ...]:
+    """The outcomes that fail `doctor` (and `scan`, with its default): `--fail-on`, else `default` (stackcheck.exitcodes)."""
+    return exitcodes.parse_fail_on(args.fail_on) if getattr(args, "fail_on", None) is not None else default
 
 
 def exit_code(diagnoses: list[Diagnosis], fail_on: tuple[str, ...]) -> int:

@@ -297,7 +297,7 @@ def run(args, argv: list[str]) -> int:
     """The `scan` command: 1 when it finds a problem, or a known bug of --fail-on affects the install (default: one
     that an upgrade leaves), 0 otherwise (stackcheck.exitcodes)."""
     config_data = read_folder("MODEL", args.model, "config.json")  # checked here, before another interpreter starts
-    fail_on = doctor.fail_on(args)
+    fail_on = doctor.fail_on(args, exitcodes.SCAN_FAIL_ON)
     adapter_config = read_folder("ADAPTER", args.adapter, "adapter_config.json") if args.adapter else None
     device_map = read_json_option("--device-map", args.device_map)
     max_memory = read_json_option("--max-memory", args.max_memory)

@@ -12,7 +12,9 @@ import textwrap
 import pytest
 
 from stackcheck import REPO_ROOT
+from stackcheck.ledger import Ledger
 from stackcheck.models import tiny
+from stackcheck.versions import installed_versions
 
 BROKEN_MODULE = "import transformers.no_such_module\n\ndef test_never_collected():\n    pass\n"
 CRASHING_MODULE = textwrap.dedent("""
@@ -24,7 +26,26 @@ CRASHING_MODULE = textwrap.dedent("""
     def test_passes():
         pass
 """)
+QUICK_MODULE = textwrap.dedent("""
+    import os
+
+    import pytest
+
+
+    def test_stops_when_told():
+        if os.environ.get("QUICK_STOP"):
+            raise KeyboardInterrupt  # as Ctrl-C does, before the other cells of the run
+
+
+    @pytest.mark.parametrize("n", ["one", "two"])
+    def test_counts(n):
+        assert os.environ.get("QUICK_FAIL") != n, f"told to fail {n}"
+""")
 EXTRA_LEDGER = textwrap.dedent("""
+    [families.quick]
+    title = "cells that pass or fail on request"
+    bugs = []
+
     [families.import_fails]
     title = "a module that does not import"
     bugs = []
@@ -52,6 +73,7 @@ def checkout(tmp_path):
     shutil.copytree(REPO_ROOT, root, ignore=shutil.ignore_patterns(".git", ".stackcheck", ".cache", ".nox", "results", "docs", "wheelhouse", ".whl", "__pycache__"))
     (root / "tests" / "families" / "test_import_fails.py").write_text(BROKEN_MODULE)
     (root / "tests" / "families" / "test_worker_crash.py").write_text(CRASHING_MODULE)
+    (root / "tests" / "families" / "test_quick.py").write_text(QUICK_MODULE)
     ledger = root / "stackcheck" / "ledger.toml"
     ledger.write_text(ledger.read_text() + EXTRA_LEDGER)
     return root
@@ -100,3 +122,47 @@ def test_a_fixture_that_cannot_be_built_is_an_error_not_a_new_failure(tmp_path):
     (cell,) = cells_of(results).values()
     assert (cell["verdict"], cell["note"]) == ("error", "setup broke"), cell
     assert "FixtureError" in cell["signature"]
+
+
+
+def test_a_fixture_that_meets_a_known_bug_is_that_known_bug(tmp_path):
+    """Qwen3-MoE's default adapter is all-linear (PEFT has no default targets for qwen3_moe). Where PEFT 0.19 turns
+    that string into a set of its characters (peft_moe_all_linear_charset), building the adapter fixture fails with
+    the bug's own signature: the ledger judges it as it judges a test, and the cell is the known bug, not `error`."""
+    results = tmp_path / "matrix.json"
+    run = run_pytest(REPO_ROOT, f"--stackcheck-results={results}", "--stackcheck-lanes=cpu", "--stackcheck-arch=qwen3moe",
+                     "tests/families/test_merge_parity.py::test_merge_into_bf16_base_reproduces_adapter_outputs")
+    (cell,) = cells_of(results).values()
+    if not Ledger().bugs["peft_moe_all_linear_charset"].affects(installed_versions()):
+        pytest.skip(f"these versions do not have peft_moe_all_linear_charset: the fixture builds ({cell['verdict']})")
+    assert (cell["verdict"], cell["bug"]) == ("known_bug", "peft_moe_all_linear_charset"), run.stdout[-3000:]
+    assert cell["note"].startswith("in the test's setup: FixtureError: fixture adapter-language cannot be built"), cell
+    assert cell["signature"].endswith("@ peft/tuners/tuners_utils.py:inject_adapter"), cell
+
+
+@pytest.mark.timeout(900)  # four pytest start-ups: 1 min on an idle 2-core machine, 7 min on one shared by eight
+def test_a_rerun_replaces_only_what_it_ran_and_an_empty_or_stopped_one_loses_nothing(checkout, tmp_path):
+    """The matrix's pytest runs into one results file: a `-k` re-check replaces its own cells and keeps the others;
+    a `-k` that selects nothing changes nothing (not a byte); a run stopped by Ctrl-C before its cells ran puts back
+    the cells it had replaced."""
+    results = tmp_path / "matrix.json"
+
+    def run(*args, **env):
+        return run_pytest(checkout, "--stackcheck-lanes=cpu", "--stackcheck-set=seed", f"--stackcheck-results={results}",
+                          "tests/families/test_quick.py", *args, env={"STACKCHECK_RUN": env.pop("run", "r"), **env})
+
+    def verdicts():
+        return {c["test"].split("::")[1]: (c["verdict"], c.get("run")) for c in json.loads(results.read_text())["cells"]}
+
+    assert run(run="r1").returncode == 0
+    first = verdicts()
+    assert first == {"test_stops_when_told[cpu]": ("pass", "r1"), "test_counts[cpu-one]": ("pass", "r1"),
+                     "test_counts[cpu-two]": ("pass", "r1")}
+    assert run("-k", "two", run="r2", QUICK_FAIL="two").returncode == 1
+    checked = dict(first, **{"test_counts[cpu-two]": ("new_failure", "r2")})
+    assert verdicts() == checked
+    on_disk = results.read_bytes(), results.with_suffix(".md").read_bytes()
+    assert run("-k", "no_such_test", run="r3").returncode == 5
+    assert (results.read_bytes(), results.with_suffix(".md").read_bytes()) == on_disk
+    assert run(run="r5", QUICK_STOP="1").returncode == 2  # pytest's "interrupted"
+    assert verdicts() == checked
