@@ -321,8 +321,7 @@ def failing_cells(cells: list[Cell], ledger: Ledger, fail_on: tuple[str, ...], i
 def run_tests(args) -> int:
     (vset,) = _selected(args)
     groups = envs.BENCH_GROUPS + (() if args.no_index else envs.REPORT_GROUPS)
-    python = envs.build(vset, args.find_links, args.no_index, groups=groups)
-    print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
+    python = build_all([vset], args.find_links, args.no_index, groups)[vset.name]
     # CI's run: the families on the seed's architecture unless --arch widens it (new architectures still have
     # unexplained new failures, which `matrix` shows: see docs/architectures.md).
     arch = arch_options(args.arch) or [option(ARCH_OPTION, architectures.SEED_ARCHITECTURE)]

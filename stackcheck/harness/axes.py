@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import pytest
 
-EXHAUSTIVE_OPTION = "--stackcheck-exhaustive"
+from stackcheck.protocol import EXHAUSTIVE_OPTION
 MARK = "axes"
 
 

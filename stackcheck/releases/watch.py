@@ -23,6 +23,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from stackcheck import REPO_ROOT, gate, lane, results
+from stackcheck.core.cell import Cell
 from stackcheck.ledger import family_modules
 from stackcheck.releases.bisect import Bisection, observed, release_candidates, summary, version_option
 from stackcheck.releases.probes import DEFAULT_STORE, Probe, Prober, ProbeStore
@@ -53,7 +54,9 @@ def _releases_problem(data) -> str | None:
 
 
 def as_results(vset: VersionSet, probe: Probe) -> dict:
-    return {"sets": {vset.name: {k: v for k, v in probe.versions.items() if isinstance(v, str)}}, "cells": probe.cells}
+    """A probe as gate.compare reads a set's results: its cells typed (the probe store keeps them as on disk)."""
+    return {"sets": {vset.name: {k: v for k, v in probe.versions.items() if isinstance(v, str)}},
+            "cells": [Cell.from_dict(cell) for cell in probe.cells]}
 
 
 def flipped_families(before: list[dict], after: list[dict], families: list[str]) -> dict[str, bool]:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,24 @@ def this_rank() -> int:
     return int(os.environ["RANK"])
 
 
+RANK_ZERO_WAIT = 120.0
+
+
+def after_rank_zero(job: str) -> None:
+    """Rank 1 fails only once rank 0 has its outcome on disk: a rank that fails tears the job down (torch's agent
+    stops the others), so on a slow machine a rank 1 that fails at once leaves rank 0 `stopped`, not `passed`."""
+    deadline = time.monotonic() + RANK_ZERO_WAIT
+    while not (Path(job) / "rank-0.json").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 left no outcome in {RANK_ZERO_WAIT:.0f} s")
+        time.sleep(0.05)
+
+
+def job_of(tmp_path) -> dict:
+    """The job folder of a test's launch (launcher.launch's outdir), for `after_rank_zero` on its ranks."""
+    return {"job": str(tmp_path / "job")}
+
+
 # The rank functions (run by stackcheck.distributed.rank on every rank).
 
 def rank_all_reduce() -> dict:
@@ -38,8 +57,9 @@ def rank_all_reduce() -> dict:
     return {"sum": total.item(), "world_size": dist.get_world_size()}
 
 
-def rank_one_raises() -> dict:
+def rank_one_raises(job: str) -> dict:
     if this_rank() == 1:
+        after_rank_zero(job)
         raise RuntimeError("rank one's own error")
     return {}
 
@@ -77,8 +97,9 @@ def rank_one_segfaults() -> dict:
     return {}
 
 
-def rank_one_exits() -> dict:
+def rank_one_exits(job: str) -> dict:
     if this_rank() == 1:
+        after_rank_zero(job)
         print("about to leave")
         os._exit(3)
     return {}
@@ -115,7 +136,7 @@ def test_every_rank_passes_over_gloo_under_torchrun(tmp_path):
 
 
 def test_a_rank_that_raises_carries_its_failure_and_frame(tmp_path):
-    outcomes = launcher.launch(f"{HERE}:rank_one_raises", tmp_path / "job", timeout=120)
+    outcomes = launcher.launch(f"{HERE}:rank_one_raises", tmp_path / "job", timeout=120 + RANK_ZERO_WAIT, kwargs=job_of(tmp_path))
     assert outcomes[0].state == RankState.PASSED
     failed = outcomes[1]
     assert failed.state == RankState.FAILED
@@ -170,7 +191,8 @@ def test_a_segfaulting_rank_died_by_its_signal_with_its_stacks(tmp_path):
 
 
 def test_a_rank_that_exits_died_with_its_code_and_output_under_accelerate_launch(tmp_path):
-    outcomes = launcher.launch(f"{HERE}:rank_one_exits", tmp_path / "job", engine="fsdp2", timeout=120)
+    outcomes = launcher.launch(f"{HERE}:rank_one_exits", tmp_path / "job", engine="fsdp2", timeout=120 + RANK_ZERO_WAIT,
+                               kwargs=job_of(tmp_path))
     assert outcomes[0].state == RankState.PASSED
     died = outcomes[1]
     assert died.state == RankState.DIED
@@ -267,19 +289,24 @@ def test_a_rank_without_an_outcome_beside_a_failed_one_was_stopped_alone_it_died
 
 PROBE_MODULE = textwrap.dedent('''
     import os
+    import time
+    from pathlib import Path
 
     from stackcheck.distributed.cells import WORLD_SIZES
 
 
-    def rank_one_meets_the_bug():
+    def rank_one_meets_the_bug(job):
         if int(os.environ["RANK"]) == 1:
+            deadline = time.monotonic() + 120  # rank 1 fails once rank 0 has its outcome (after_rank_zero)
+            while not (Path(job) / "rank-0.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             raise ValueError("the probe's known bug")
         return {"rank": 0}
 
 
     @WORLD_SIZES
-    def test_probe(ranks, world_size):
-        ranks("tests.families.test_dist_probe:rank_one_meets_the_bug", world_size, timeout=120)
+    def test_probe(ranks, world_size, tmp_path):
+        ranks("tests.families.test_dist_probe:rank_one_meets_the_bug", world_size, timeout=240, job=str(tmp_path / "job"))
 ''')
 PROBE_LEDGER = textwrap.dedent('''
     [families.dist_probe]
