@@ -194,16 +194,17 @@ def test_an_environment_that_cannot_report_its_versions_is_unbuildable(python_wi
 def test_the_tests_command_on_such_an_environment_fails_in_one_line(python_without_torch, monkeypatch, capsys):
     monkeypatch.setattr(envs, "build", lambda *args, **kwargs: python_without_torch)
     line = one_usage_line(cli.main(["tests", "--set", "seed"]), capsys)
-    assert line.startswith("stackcheck: the environment of set seed (") and line.endswith("No module named 'torch'")
+    assert line.startswith("stackcheck: set seed: environment not built, nothing was run or recorded: the environment of set seed (")
+    assert line.endswith("No module named 'torch'")
 
 
-def test_the_matrix_records_such_a_set_as_unbuildable(python_without_torch, tmp_path, monkeypatch):
+def test_the_matrix_records_nothing_of_such_a_set(python_without_torch, tmp_path, monkeypatch, capsys):
+    """No phantom set: an environment that cannot be built is a usage error before any set runs, not error cells."""
     monkeypatch.setattr(envs, "build", lambda *args, **kwargs: python_without_torch)
     path = tmp_path / "matrix.json"
-    assert cli.main(["matrix", "--sets", "seed", "--results", str(path)]) == 1
-    cells = json.loads(path.read_text())["cells"]
-    assert cells and all(c["set"] == "seed" and c["verdict"] == "error" for c in cells)
-    assert all(c["signature"].startswith("environment not built: the environment of set seed") for c in cells)
+    line = one_usage_line(cli.main(["matrix", "--sets", "seed", "--results", str(path)]), capsys)
+    assert line.startswith("stackcheck: set seed: environment not built") and line.endswith("No module named 'torch'")
+    assert not path.exists() and not path.with_suffix(".md").exists()
 
 
 def test_refresh_latest_without_a_latest_set(tmp_path, monkeypatch, capsys):
