@@ -90,10 +90,21 @@ _CAUSE = re.compile(r"^(?:[├╰]─▶|cause:|caused by:)\s*", re.IGNORECASE)
 REASON_CHARS = 400
 
 
+_OTHER = re.compile(r"^(?:fatal:|hint:|help:|warning:|---)", re.IGNORECASE)
+
+
 def failure_reason(output: str) -> str:
     """The one line that says why an installer failed, from its output: uv's headline with its innermost cause
-    (git's own `fatal:` line where a git pin failed), or pip's last ERROR line."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    (git's own `fatal:` line where a git pin failed), or pip's last ERROR line. A message the installer wrapped
+    over several lines is one again."""
+    lines = []  # one entry per message: a line that starts none continues the one before
+    for line in (line.strip() for line in output.splitlines()):
+        if not line:
+            continue
+        if lines and not (_HEADLINE.match(line) or _CAUSE.match(line) or _OTHER.match(line)):
+            lines[-1] += " " + line
+        else:
+            lines.append(line)
     headlines = [_HEADLINE.sub("", line) for line in lines if _HEADLINE.match(line)]
     innermost = ([line for line in lines if line.startswith("fatal:")] or [_CAUSE.sub("", line) for line in lines if _CAUSE.match(line)])[-1:]
     if headlines and innermost:

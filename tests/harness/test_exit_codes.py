@@ -208,3 +208,33 @@ ERROR: No matching distribution found for peft==9.9.9
 ])
 def test_the_installers_reason(output, reason):
     assert envs.failure_reason(output) == reason
+
+
+# The commands that report without judging: versions, merge; and repro, whose rule is reproduction.
+
+def test_versions_prints_a_pin_it_cannot_vouch_for_and_checks_it_on_request(tmp_path, capsys):
+    assert cli.main(["versions", "--sets", "seed", "--with", "peft==9.9.9"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "seed+peft==9.9.9: transformers 5.6.2, peft 9.9.9, accelerate 1.13.0, bitsandbytes 0.49.2"
+    assert "not checked against the package index: --check asks it" in err
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()  # an offline index with nothing in it: the installer's own answer, no network
+    line = one_usage_line(cli.main(["versions", "--sets", "seed", "--with", "peft==9.9.9", "--check", "--no-index",
+                                    "--find-links", str(wheels)]), capsys)
+    assert "peft==9.9.9" in line and ("No solution found" in line or "No matching distribution" in line), line
+
+
+def test_merge_exits_0(tmp_path, capsys):
+    path = tmp_path / "a.json"
+    results.record_set(path, "seed", {"peft": "0.19.1"})
+    results.record_cells(path, [Cell("seed", FAMILY, TEST, "cpu", "new_failure")])
+    assert cli.main(["merge", str(path), "--output", str(tmp_path / "m.json")]) == 0  # merge judges nothing
+
+
+def test_repro_exits_1_when_a_cell_is_not_reproduced(scripted, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr("stackcheck.triage.repro.gpu_host", lambda: False)
+    path = tmp_path / "m.json"
+    results.record_set(path, "seed", {"peft": "0.19.1"})
+    results.record_cells(path, [Cell("seed", FAMILY, TEST.replace("[cpu-", "[gpu-"), "gpu", "known_bug", bug=FAMILY)])
+    assert cli.main(["repro", "--from", str(path), "--output", str(tmp_path / "repro")]) == 1
+    assert "0 of 1 cells reproduced" in capsys.readouterr().out
