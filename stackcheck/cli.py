@@ -447,10 +447,10 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except KeyboardInterrupt:
         print(f"stackcheck: interrupted: {kept_after_interrupt(parsed[0] if parsed else None)}", file=sys.stderr)
-        return 130
+        return exitcodes.INTERRUPTED
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more reaches the closed pipe
-        return 141
+        return exitcodes.READER_GONE
 
 
 def _main(argv: list[str], parsed: list) -> int:

@@ -2,7 +2,7 @@
 
 Every command exits 0 when it found nothing its rule counts as failing, 1 when it did (its report says what), 2 on a
 usage error (one line on stderr; nothing was run, and nothing recorded changed), 3 when stackcheck itself failed,
-130 when interrupted. Which findings fail is each command's row of COMMANDS; where users need another choice,
+130 when interrupted, 141 when the reader of its output went away. Which findings fail is each command's row of COMMANDS; where users need another choice,
 `--fail-on` names the outcomes that fail instead of the default.
 
 docs/exit-codes.md is generated from this module (`python -m stackcheck.exitcodes > docs/exit-codes.md`); a harness
@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-OK, FAILED, USAGE, INTERNAL, INTERRUPTED = 0, 1, 2, 3, 130
+OK, FAILED, USAGE, INTERNAL, INTERRUPTED, READER_GONE = 0, 1, 2, 3, 130, 141
 
 CODES = {
     OK: "the command ran and found nothing its rule counts as failing",
@@ -22,7 +22,8 @@ CODES = {
     USAGE: "a usage error: a wrong input, or a set whose environment could not be built (uv's or pip's reason in the "
            "line). One line on stderr; nothing was run, and nothing recorded was changed",
     INTERNAL: "stackcheck itself failed: a traceback, which is a bug of stackcheck to report",
-    INTERRUPTED: "interrupted (Ctrl-C): what finished before is kept",
+    INTERRUPTED: "interrupted (Ctrl-C): one line says what finished before and where it is kept",
+    READER_GONE: "the program reading the output went away (`stackcheck doctor | head`), as a shell's own commands do",
 }
 
 # What a verdict command's cells and the install commands' known bugs can be counted as (`--fail-on`).

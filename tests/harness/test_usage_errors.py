@@ -14,6 +14,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 from stackcheck import REPO_ROOT, cli, envs, lane, ledger, versions, wheelhouse
+from stackcheck.core.cell import Cell
 from stackcheck.versions import UsageError, resolve
 
 PATH_OPTIONS = [
@@ -419,7 +420,7 @@ def test_ctrl_c_says_what_was_kept_and_where(tmp_path, monkeypatch, capsys):
     def pytest_run(python, vset, targets, extra, path, *args, **kwargs):
         if vset.name == "latest":
             raise KeyboardInterrupt
-        cli.results.record_cells(path, [dict(CELL, set=vset.name, test=f"t{index}[cpu]") for index in range(3)])
+        cli.results.record_cells(path, [Cell.from_dict(dict(CELL, set=vset.name, test=f"t{index}[cpu]")) for index in range(3)])
         return 0
 
     monkeypatch.setattr(cli, "run_pytest", pytest_run)
@@ -546,8 +547,9 @@ def test_scan_inputs_that_are_wrong_are_one_line(case, message, llama_folder, tm
     assert message.format(model=llama_folder, tmp=tmp_path) in line, line
 
 
-class Built(Exception):
-    """Raised by a stand-in for envs.build: the set a command would have built, and nothing after it."""
+class Built(BaseException):
+    """Raised by a stand-in for envs.build: the set a command would have built, and nothing after it (a BaseException:
+    cli.main turns any Exception into exit 3, an internal error)."""
 
 
 def test_repro_reproduces_on_the_pinned_version(tmp_path, monkeypatch, capsys):

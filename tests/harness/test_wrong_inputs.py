@@ -174,10 +174,11 @@ def test_ctrl_c_is_one_line_saying_what_was_kept(tmp_path):
 import os, signal, sys
 from pathlib import Path
 from stackcheck import cli, envs, results
+from stackcheck.core.cell import Cell
 envs.build = lambda *args, **kwargs: Path(sys.executable)
 envs.versions_in = lambda *args: ""
 def pytest_run(python, vset, targets, extra, path, *args, **kwargs):
-    results.record_cells(path, [{{"set": vset.name, "family": "merge_parity", "test": "t[cpu]", "lane": "cpu", "verdict": "pass", "seconds": 1.0}}])
+    results.record_cells(path, [Cell(vset.name, "merge_parity", "t[cpu]", "cpu", "pass", seconds=1.0)])
     os.kill(os.getpid(), signal.SIGINT)
 cli.run_pytest = pytest_run
 sys.exit(cli.main(["matrix", "--sets", "seed", "--families", "merge_parity", "--results", {str(path)!r}]))
