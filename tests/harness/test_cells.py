@@ -106,7 +106,7 @@ def test_a_family_module_without_a_ledger_entry_is_a_usage_error(checkout):
     ledger.write_text(ledger.read_text().replace(EXTRA_LEDGER, ""))
     run = run_pytest(checkout, "tests/families/test_seed_scenario.py")
     assert run.returncode == 4 and "INTERNALERROR" not in run.stdout + run.stderr
-    assert "no entry for family module(s) test_import_fails.py, test_worker_crash.py" in run.stderr
+    assert "no entry for family module(s) test_import_fails.py, test_quick.py, test_worker_crash.py" in run.stderr
 
 
 def test_a_fixture_that_cannot_be_built_is_an_error_not_a_new_failure(tmp_path):
