@@ -513,6 +513,8 @@ def _main(argv: list[str], parsed: list) -> int:
     except (UsageError, envs.EnvBuildError, LedgerError) as exc:
         print(f"stackcheck: {exc}", file=sys.stderr)
         return exitcodes.USAGE
+    except BrokenPipeError:
+        raise  # the reader went away: main's own exit code
     except Exception:  # noqa: BLE001 - a bug of stackcheck: its traceback, and an exit code no finding has
         traceback.print_exc()
         print(f"stackcheck: internal error (exit {exitcodes.INTERNAL}): the traceback above is a bug of stackcheck",

@@ -192,6 +192,7 @@ def test_the_flake_check_runs_again_instead_of_reading_the_store(tmp_path, monke
     """bisect's second run of a flipped candidate is a real run: the probe store, which its first run has just
     written, would give that run back and the check would prove nothing."""
     from stackcheck import lane
+    from stackcheck.core.cell import Cell
     from stackcheck.releases import probes
 
     runs = []
@@ -200,7 +201,7 @@ def test_the_flake_check_runs_again_instead_of_reading_the_store(tmp_path, monke
         runs.append(vset.name)
         version = Version(str(vset.pins["accelerate"]))
         cell = dict(KNOWN if version < Version("1.14.0") else PASSED, family="params4bit_kwargs", set=vset.name, lane="cpu")
-        return [cell], {"environment": 0.0, "total": 0.0}
+        return [Cell.from_dict(cell)], {"environment": 0.0, "total": 0.0}
 
     monkeypatch.setattr(lane, "run_timed", run_timed)
     monkeypatch.setattr(probes.lane, "run_timed", run_timed)

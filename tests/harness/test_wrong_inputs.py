@@ -145,7 +145,7 @@ def test_scan_with_a_quantization_file_that_is_missing(tmp_path):
 
 def test_scan_without_an_adapter_claims_nothing_about_one():
     run = stackcheck("scan", E2B)
-    assert run.returncode == 1 and "\nno problems found in the model\n" in run.stdout, run  # 1: the installed versions' known bugs
+    assert run.returncode == 0 and "\nno problems found in the model\n" in run.stdout, run  # the install's known bugs: doctor's
 
 
 # Issue 29: tracebacks where one line belongs, through the real command.
