@@ -27,8 +27,12 @@ device (it offloaded the rest, or the budget check has failed). The fitting budg
 most of the model stays in bf16 anyway (an int8 mixture of experts, whose fused experts bitsandbytes does not
 quantize): printed per cell.
 
-Tolerances: bytes placed / budget <= 1; logits of the placed model against the model on one device within 1e-3
-relative. Measured: see docs/contract-load.md.
+Tolerances: bytes placed / budget <= 1, the budget itself; the placed model's logits against the model on one device
+within 1e-3 relative (the same weights through the same kernels: measured 0.0 on every tight cell, seed and latest;
+a layer lost or mis-restored by an offload hook is off by far more). Measured on the CPU lane, seed and latest alike:
+the fitting budgets (1.5x footprints of 0.23 to 1.8 MB) kept every model whole; under the tight ones transformers put
+4% (tiny Mixtral) to 78% (tiny Gemma 3) of the budget on the CPU and the rest on disk. The int8 cells that offload to
+disk meet two bugs this family found (ledger `int8_auto_map_disk_scb_popped`, `int8_offload_quantizes_on_gpu0`).
 """
 
 import pytest

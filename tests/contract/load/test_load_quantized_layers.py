@@ -22,7 +22,10 @@ ledger `bnb_fused_experts_unquantized`); `load_in_8bit` with a skip list naming 
 (unsloth#10276).
 
 Precondition proven: the load went through transformers' bitsandbytes quantizer with the config asked, and the model
-has weights meant for quantization. No tolerance: the property is structural.
+has weights meant for quantization. No tolerance: the property is structural. Measured (CPU, seed and latest, 21 cells
+a set): every layer kind of the dense architectures and Gemma 4 (towers included) quantized as asked, the skip list
+honoured; the tiny Mixtral and Qwen3-MoE keep their fused experts in the model's dtype on every quantization, 4-bit and
+8-bit (`bnb_fused_experts_unquantized`).
 """
 
 import pytest
