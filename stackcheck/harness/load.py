@@ -415,18 +415,21 @@ def skip_list(under_test: UnderTest, skip: bool) -> list[str] | None:
 
 
 def quant_state_bytes(module) -> int:
-    """The bytes of a 4-bit layer's quantization state (absmax, code tables, nested state): real memory beside the
-    packed weight that parameter sizes do not count (0 for other layers and for a weight on meta)."""
+    """The bytes of a 4-bit layer's scales (absmax; with double quant, the 8-bit absmax, its offset and its own absmax):
+    memory beside the packed weight that parameter sizes do not count (0 for other layers and for a weight on meta).
+    The code tables are left out as the NF4 arithmetic leaves them (`stackcheck.models.footprint`): a constant 1 KiB a
+    layer, a quarter of the tiny Gemma 4's footprint and nothing at a realistic size."""
     state = getattr(getattr(module, "weight", None), "quant_state", None)
     if state is None or module.weight.device.type == "meta":
         return 0
-    return sum(t.nbytes for t in quant_state_tensors(state))
+    scales = [state.absmax, *((state.offset, state.state2.absmax) if state.nested else ())]
+    return sum(t.nbytes for t in scales)
 
 
 def bytes_on(model, device_map: dict, device) -> int:
     """The bytes `device_map` placed on `device` (accelerate's key: 0 or 'cpu'), measured on the placed model: accelerate's
     `compute_module_sizes` of each module mapped there (parameters and buffers as they are stored, packed for 4-bit),
-    plus the quantization states of the 4-bit layers among them."""
+    plus the scales of the 4-bit layers among them (`quant_state_bytes`)."""
     from accelerate.utils import compute_module_sizes
 
     sizes = compute_module_sizes(model)

@@ -13,8 +13,10 @@ bitsandbytes refuses any offload without `llm_int8_enable_fp32_cpu_offload`, whi
 as this family's failure with the map, not as that refusal.
 
 Bytes are measured on the placed model: accelerate's `compute_module_sizes` of the modules mapped to a device
-(parameters and buffers as stored, packed for 4-bit), plus the 4-bit layers' quantization states, which parameter
-sizes leave out (`scenario.bytes_on`). The footprint is the same measure on the model loaded on the main device alone.
+(parameters and buffers as stored, packed for 4-bit), plus the 4-bit layers' scales (absmax, nested with double
+quant), which parameter sizes leave out; the code tables, a constant 1 KiB a layer, are left out as the NF4 arithmetic
+leaves them (`scenario.bytes_on`; counted, they are a quarter of the tiny Gemma 4 and the map, which does not plan for
+them, reads as 11% over a 0.9x budget). The footprint is the same measure on the model loaded on the main device alone.
 
 Upstream bugs of this kind: a map sized at bf16 before quantization, spilling a model that fits in 4-bit (axolotl
 PR #3512); reserved-but-unused CUDA memory counted late, different maps on the same hardware (transformers PR
@@ -30,8 +32,8 @@ quantize): printed per cell.
 Tolerances: bytes placed / budget <= 1, the budget itself; the placed model's logits against the model on one device
 within 1e-3 relative (the same weights through the same kernels: measured 0.0 on every tight cell, seed and latest;
 a layer lost or mis-restored by an offload hook is off by far more). Measured on the CPU lane, seed and latest alike:
-the fitting budgets (1.5x footprints of 0.23 to 1.8 MB) kept every model whole; under the tight ones transformers put
-4% (tiny Mixtral) to 78% (tiny Gemma 3) of the budget on the CPU and the rest on disk. The int8 cells that offload to
+the fitting budgets (1.5x footprints of 0.22 to 1.8 MB) kept every model whole; under the tight ones transformers put
+4% (tiny Mixtral) to 62% (tiny Gemma 3) of the budget on the CPU and the rest on disk. The int8 cells that offload to
 disk meet two bugs this family found (ledger `int8_auto_map_disk_scb_popped`, `int8_offload_quantizes_on_gpu0`).
 """
 
