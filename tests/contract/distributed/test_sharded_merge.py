@@ -29,8 +29,8 @@ merge against the adapter it merges; here both sides are merges of the same weig
 GPU lane only. The Trainer's FSDP is a DDP job on a CPU host (accelerate). accelerate's save has no faithful gloo
 variant: on the CPU (seed, torch 2.13, FSDP2 over gloo as stackcheck.distributed.rank sets it up) `get_state_dict` hands
 back DTensors whose storage is invalid, every entry on both ranks (29 of 29, measured), and PEFT's save fails at
-safetensors' `storage_ptr`; on a GPU the state dict is gathered to full tensors and copied to the CPU. The one-process
-half was run on the CPU instead, on an adapter trained and saved in one process (seed): the saved adapter equals the
+safetensors' `storage_ptr`; on a GPU the state dict is gathered there and offloaded to the CPU. The one-process half was
+run on the CPU instead, on an adapter trained and saved in one process (seed): the saved adapter equals the
 trained weights, the two merges are equal tensor for tensor, 4 base weights changed, the saved merge lacks only the
 tied lm_head.
 """
