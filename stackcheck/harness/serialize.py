@@ -137,6 +137,10 @@ def per_module_map(model, target: str, main, offload: str) -> dict[str, object]:
     device_map: dict[str, object] = {}
 
     def walk(prefix: str, module) -> None:
+        # An ancestor's own tensors (Gemma 4's per-layer `layer_scalar` beside its children) get an entry each, as
+        # accelerate's `infer_auto_device_map` gives them: a map of children alone leaves them without a device.
+        for name, _tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            device_map[f"{prefix}.{name}" if prefix else name] = main
         for name, child in module.named_children():
             full = f"{prefix}.{name}" if prefix else name
             if full == target:
