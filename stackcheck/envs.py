@@ -38,8 +38,9 @@ class EnvBuildError(Exception):
 # What `stackcheck wheelhouse` writes beside the wheels: per set, the wheels uv resolved for the target.
 WHEELHOUSE_MANIFEST = "wheelhouse.json"
 
-# What every environment holds beside the set's pins: the test runner, and the distributed families' DeepSpeed.
-FAMILY_EXTRAS = ("test", "dist")
+# What every environment holds beside the set's pins: the test runner, the distributed families' DeepSpeed, and trl
+# (the trainers users run over the libraries).
+FAMILY_EXTRAS = ("test", "dist", "trl")
 # Groups the `tests` and `bench` environments add: the tests run the bench's CPU smoke mode.
 BENCH_GROUPS = ("bench",)
 # What the `tests` environment adds to those: the report's page and its browser tests (an offline host's wheelhouse
@@ -49,7 +50,7 @@ REPORT_GROUPS = ("report", "browser")
 
 def test_requirements(vset: VersionSet, groups: tuple[str, ...] = ()) -> list[str]:
     """What an environment holds beside the set's pins and torch: pyproject's FAMILY_EXTRAS, plus the
-    optional-dependency `groups` named, less the packages the set pins itself (its deepspeed, say)."""
+    optional-dependency `groups` named, less the packages the set pins itself (its deepspeed or trl, say)."""
     extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     return [requirement for group in (*FAMILY_EXTRAS, *groups) for requirement in extras[group]
             if canonicalize_name(Requirement(requirement).name) not in vset.pins]

@@ -311,7 +311,7 @@ def worst(verdicts: list[str]) -> str:
     return min(verdicts, key=SEVERITY.index)
 
 
-VERSION_COLUMNS = ("python", "torch", "transformers", "peft", "accelerate", "bitsandbytes", "device")
+VERSION_COLUMNS = ("python", "torch", "transformers", "peft", "accelerate", "bitsandbytes", "trl", "device")
 PLATFORM_COLUMNS = ("cpu", "cpu_flags", "bnb_cpu_packed_path", "torch_cpu_capability", "gpu", "gpu_driver", "cuda", "os")
 
 

@@ -19,7 +19,10 @@ SETS_FILE = Path(__file__).with_name("sets.toml")
 LIBRARIES = ("transformers", "peft", "accelerate", "bitsandbytes")
 # The distributed lane's ZeRO-3 engine: a set may pin it; otherwise pyproject's `dist` extra does.
 ENGINES = ("deepspeed",)
-PACKAGES = ("torch",) + LIBRARIES + ENGINES
+# What users run beside the libraries: trl's trainers (SFTTrainer, GRPOTrainer) over them. A set may pin it;
+# otherwise pyproject's `trl` extra does.
+TRAINERS = ("trl",)
+PACKAGES = ("torch",) + LIBRARIES + ENGINES + TRAINERS
 CURRENT_SET = "current"  # not in sets.toml: the libraries this interpreter has installed
 PIN_HELP = "NAME==VERSION, NAME@git+URL[@REF] or NAME=PATH (a wheel, sdist or source tree)"
 

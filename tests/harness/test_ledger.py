@@ -308,3 +308,14 @@ def test_a_bug_in_one_models_code_is_a_new_failure_on_another_model_type(ledger,
     bug = ledger.bugs["shared_kv_redispatch"]
     assert bug.architectures == ("gemma4",) and bug.signature.library_level
     assert not ledger.bugs["merge_4bit_divergence"].architectures and ledger.bugs["merge_4bit_divergence"].expected_on
+
+
+def test_a_bug_may_be_bounded_by_trl(tmp_path, versions):
+    """`affected` accepts trl, the trainers users run beside the libraries."""
+    text = LEDGER_FILE.read_text()
+    path = tmp_path / "ledger.toml"
+    path.write_text(text + '\n[bugs.trl_probe]\nsummary = "x"\nlinks = ["https://example.org"]\nupstream_status = "open"\n'
+                    'affected = { trl = ">=1.0" }\n[bugs.trl_probe.signature]\nexception = "RuntimeError"\nmessage = "x"\n'
+                    'frame = "trl/trainer/sft_trainer.py:train"\n')
+    bug = Ledger(path).bugs["trl_probe"]
+    assert bug.affects({**versions, "trl": "1.16.0"}) and not bug.affects({**versions, "trl": "0.29.1"})

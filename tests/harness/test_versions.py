@@ -63,3 +63,19 @@ def test_user_errors_print_one_line_and_exit_2(argv, message, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.strip() == message
+
+
+def test_trl_is_pinnable_with_with_and_in_a_set(tmp_path):
+    """trl is what users run beside the libraries: `--with trl==X` pins it, a set in sets.toml may pin it, and the
+    installed versions (the report header, matrix.md's columns) name it."""
+    from stackcheck import envs, results, versions
+
+    (adhoc,) = resolve(["seed"], ["trl==1.13.0"])
+    assert adhoc.pins["trl"].requirement() == "trl==1.13.0"
+    assert "trl==1.13.0" not in envs.test_requirements(adhoc)  # the set's own pin replaces the extra's
+    assert any(req.startswith("trl==") for req in envs.test_requirements(resolve(["seed"])[0]))
+    sets_file = tmp_path / "sets.toml"
+    sets_file.write_text('default = "s"\n[sets.s]\ntransformers = "5.6.2"\npeft = "0.19.1"\naccelerate = "1.13.0"\n'
+                         'bitsandbytes = "0.49.2"\ntrl = "1.16.0"\n')
+    assert load_sets(sets_file)[0]["s"].pins["trl"].requirement() == "trl==1.16.0"
+    assert "trl" in versions.installed_versions() and "trl" in results.VERSION_COLUMNS
