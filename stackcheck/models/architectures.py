@@ -32,6 +32,7 @@ HIDDEN, HEAD_DIM, HEADS = 128, 64, 2
 INTERMEDIATE, EXPERT_INTERMEDIATE = 256, 128
 EXPERTS, EXPERTS_PER_TOKEN = 4, 2
 TOWER_HIDDEN, TOWER_INTERMEDIATE, TOWER_HEAD_DIM = 64, 128, 32
+LINEAR_HEAD_DIM = 32
 SLIDING_WINDOW = 16  # as the seed's tiny Gemma 4: the prompt and its generation stay under it
 # Sizes the rule sets, by key. Any other integer key that names a size and exceeds these is a structure the rule
 # does not know: the config cannot be shrunk (refused, never built at full size).
@@ -39,6 +40,9 @@ TEXT_SIZES = {
     "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
     "head_dim": HEAD_DIM, "global_head_dim": HEAD_DIM, "hidden_size_per_layer_input": 64,
     "moe_intermediate_size": EXPERT_INTERMEDIATE, "shared_expert_intermediate_size": EXPERT_INTERMEDIATE,
+    # Gated DeltaNet (Qwen3-Next's linear attention): its head dims; its head counts shrink keeping their ratio
+    # (`_shrink_text`). Its torch fallback (CPU, or a GPU without flash-linear-attention) costs per head.
+    "linear_key_head_dim": LINEAR_HEAD_DIM, "linear_value_head_dim": LINEAR_HEAD_DIM,
 }
 TOWER_SIZES = {"hidden_size": TOWER_HIDDEN, "intermediate_size": TOWER_INTERMEDIATE, "head_dim": TOWER_HEAD_DIM,
                "global_head_dim": TOWER_HEAD_DIM, "output_proj_dims": TOWER_HIDDEN, "position_embedding_size": 64,
@@ -127,6 +131,10 @@ def _shrink_text(text: dict, where: str) -> dict:
             text["num_key_value_heads"] = 1 if kv_heads < heads else HEADS
         if "head_dim" not in text:
             text["head_dim"] = HEAD_DIM
+    if text.get("linear_num_key_heads") and text.get("linear_num_value_heads"):
+        # Gated DeltaNet: value heads share key heads as grouped KV heads share query heads; the grouping stays.
+        group = max(1, text["linear_num_value_heads"] // text["linear_num_key_heads"])
+        text["linear_num_key_heads"], text["linear_num_value_heads"] = HEADS, HEADS * group
     if text.get("num_global_key_value_heads"):
         text["num_global_key_value_heads"] = 1
     layers = text.get("num_hidden_layers", 2)
@@ -135,6 +143,8 @@ def _shrink_text(text: dict, where: str) -> dict:
         period = _period(layer_types)
     elif text.get("sliding_window_pattern"):  # Gemma 3's spelling of the layer-type pattern
         period = int(text["sliding_window_pattern"])
+    elif text.get("full_attention_interval"):  # Qwen3-Next's: every n-th layer full attention, linear otherwise
+        period = int(text["full_attention_interval"])
     else:
         period = 2
     shared = text.get("num_kv_shared_layers") or 0

@@ -58,6 +58,15 @@ def test_every_builtin_architecture_builds_and_names_its_structures():
     assert "sliding_window" in found["gemma3"]
 
 
+def test_a_hybrid_linear_attention_model_keeps_both_layer_kinds():
+    """Qwen3-Next's release spells its pattern as `full_attention_interval` (transformers derives `layer_types`):
+    the tiny model keeps one period, three Gated DeltaNet layers and one full-attention layer, and the delta net's
+    grouping of key heads over value heads."""
+    config, _model = built(architectures.builtin()["qwen3next"].config, "meta")
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert config.linear_num_value_heads == 2 * config.linear_num_key_heads
+
+
 def stackcheck(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "stackcheck", *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
 
