@@ -16,6 +16,7 @@ widths that are not multiples of 32 or of its 64 blocksize) is reached or not fo
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -52,6 +53,9 @@ EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "top_k", "experts_per_token")
 SIZE_KEY = re.compile(r".*(size|dim|dims|rank|features|channels|experts)$")
 LARGEST_UNSHRUNK_SIZE = 256
 TOWER_KEYS = ("vision_config", "audio_config")
+# An image tower that reads a fixed square image (SigLIP's `image_size`, in `patch_size` pixels a side): the tiny tower
+# reads this many patches a side, and a pooled projector (Gemma 3's `mm_tokens_per_image`) keeps its pooling kernel.
+IMAGE_PATCHES_PER_SIDE = 8
 # The structures a family can need (`pytest.mark.needs`), read off a built config by `structures`.
 STRUCTURES = ("vision_tower", "audio_tower", "clippable_linear", "kv_sharing", "experts", "tied_embeddings", "sliding_window")
 
@@ -220,10 +224,27 @@ def shrink(config: dict, where: str = "config") -> dict:
         _remap_token_ids(tiny, VOCAB)
     else:
         tiny = _shrink_text(tiny, where)
+    _shrink_image_grid(tiny)
     for key in TOWER_KEYS:
         if isinstance(tiny.get(key), dict):
             tiny[key] = _shrink_tower(tiny[key], f"{where} {key}")
     return tiny
+
+
+def _shrink_image_grid(config: dict) -> None:
+    """A fixed-size image tower: `IMAGE_PATCHES_PER_SIDE` patches a side, of the release's patch size; the soft tokens
+    per image (`mm_tokens_per_image`, a square) shrink with it, so the projector pools by the release's kernel
+    (Gemma 3: 64 patches a side pooled 4 x 4 to 256 tokens; tiny: 8 pooled 4 x 4 to 4)."""
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict) or not isinstance(vision.get("image_size"), int) or not isinstance(vision.get("patch_size"), int):
+        return
+    vision = config["vision_config"] = dict(vision)
+    side = vision["image_size"] // vision["patch_size"]
+    vision["image_size"] = vision["patch_size"] * IMAGE_PATCHES_PER_SIDE
+    tokens = config.get("mm_tokens_per_image")
+    if isinstance(tokens, int) and tokens > 0:
+        kernel = side // math.isqrt(tokens)
+        config["mm_tokens_per_image"] = (IMAGE_PATCHES_PER_SIDE // kernel) ** 2
 
 
 def structures(config) -> frozenset[str]:

@@ -67,6 +67,13 @@ def test_a_hybrid_linear_attention_model_keeps_both_layer_kinds():
     assert config.linear_num_value_heads == 2 * config.linear_num_key_heads
 
 
+def test_a_fixed_size_image_tower_keeps_its_pooling():
+    """Gemma 3's SigLIP tower reads 896-pixel images in 14-pixel patches, pooled 4 x 4 to 256 soft tokens: the tiny one
+    reads 8 x 8 patches of the same size, pooled by the same kernel to 4 tokens."""
+    config = architectures.builtin()["gemma3mm"].config
+    assert (config["vision_config"]["image_size"], config["vision_config"]["patch_size"], config["mm_tokens_per_image"]) == (112, 14, 4)
+
+
 def stackcheck(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "stackcheck", *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
 
