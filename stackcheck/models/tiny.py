@@ -137,7 +137,23 @@ def _new_base_model(arch: Architecture):
     torch.manual_seed(SEED)
     cls, config = model_class(arch), tiny_config(arch)
     # Auto classes build through `from_config`; a model class through its constructor.
-    return (cls.from_config(config) if hasattr(cls, "from_config") else cls(config)).eval()
+    model = (cls.from_config(config) if hasattr(cls, "from_config") else cls(config)).eval()
+    _fill_zero_matrices(model, getattr(config, "initializer_range", 0.02))
+    return model
+
+
+def _fill_zero_matrices(model, std: float) -> None:
+    """A weight matrix that the model's own init leaves all zero gets a random one: a trained checkpoint has none,
+    and a zero one cuts what sits before it out of every output and gradient (Gemma 3's multimodal projector,
+    `mm_input_projection_weight`, starts at zero: the tiny model's image would change nothing). No other built-in
+    architecture has one."""
+    import torch
+
+    generator = torch.Generator().manual_seed(SEED + 2)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2 and not parameter.any():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
 
 
 @cache

@@ -1,0 +1,122 @@
+"""trl's SFTTrainer QLoRA recipe, the one most users copy, trains the adapter and leaves the 4-bit base untouched;
+the adapter it saves reloads to the outputs it trained.
+
+The journey step: fine-tuning with trl (`SFTTrainer(model=<4-bit base>, peft_config=LoraConfig(...),
+args=SFTConfig(...))`), which runs PEFT's `prepare_model_for_kbit_training` and `get_peft_model` itself, tokenizes
+the dataset, turns on gradient checkpointing (SFTConfig's default) and trains with transformers' Trainer; then
+`trainer.save_model()` and, for inference, `PeftModel.from_pretrained(<fresh 4-bit base>, <saved adapter>)`.
+
+The property, on every architecture (the tiny model, NF4 with double quant, the adapter fixture's LoRA targets, a
+dataset of fixed sentences built in memory with `datasets.Dataset.from_dict`, a word-level tokenizer built in memory):
+- every logged loss is finite, and every LoRA tensor moved;
+- the frozen 4-bit base (packed weights and quant states) is bit-identical after training;
+- the saved adapter, reloaded onto a fresh 4-bit base, reproduces the trained model's adapter effect (its logits
+  minus its own adapter-disabled logits) within `RELOAD_TOLERANCE`.
+On an image model (Gemma 3 with its SigLIP tower) the dataset is conversational with an image per example
+(`messages` whose user turn holds an image, and `images`, as trl's vision-language SFT example has it), trl's vision
+collator runs the model's processor and chat template, and the batch carries pixel values.
+
+Bugs of this class (it would catch them, as a failure of one of the properties above): trl's SFT with a 4-bit base
+leaving LoRA untrained or training frozen weights, PEFT saving an adapter whose keys no longer match the model's
+module names (transformers 5's `model.language_model` prefix on multimodal models), and adapters that reload to
+other outputs. Upstream examples: huggingface/trl#2338 (QLoRA SFT loss), huggingface/peft#2880-style key renames.
+
+Precondition proven: the base is NF4 with nested quant state, the trainer wrapped it with LoRA on 4-bit layers,
+training ran its steps (the loss was logged), the trained adapter changes the outputs, and on an image model the
+image does (another image gives other logits).
+
+Tolerance: the reloaded model runs its norms in bf16, while the trained one has them in fp32
+(`prepare_model_for_kbit_training` upcasts them), so the effect is compared, not the logits. Measured in the docs
+(docs/contract-trl-architectures.md): relative error of the reloaded effect against the trained one.
+"""
+
+import pytest
+import torch
+
+from stackcheck import scenario
+from stackcheck.harness import trainers
+from stackcheck.models import tiny
+
+STEPS = 4
+LEARNING_RATE = 1e-2
+RELOAD_TOLERANCE = 0.05
+
+
+def sft_config(output_dir, device):
+    from trl import SFTConfig
+
+    return SFTConfig(output_dir=str(output_dir), max_steps=STEPS, per_device_train_batch_size=2, learning_rate=LEARNING_RATE,
+                     logging_steps=1, save_strategy="no", report_to="none", max_length=64, seed=0,
+                     use_cpu=device.type == "cpu", dataloader_num_workers=0)
+
+
+def dataset(under_test):
+    """Four fixed sentences; on an image model each begins with an image."""
+    from datasets import Dataset
+
+    texts = trainers.sentences(4, 12)
+    if "vision_tower" not in under_test.structures:
+        return Dataset.from_dict({"text": texts}), trainers.tokenizer(under_test.arch)
+    side = under_test.arch.config["vision_config"]["image_size"]
+    messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text[:20]}]},
+                 {"role": "assistant", "content": [{"type": "text", "text": text[20:]}]}] for text in texts]
+    images = [[image] for image in trainers.images(4, side)]
+    return Dataset.from_dict({"messages": messages, "images": images}), trainers.processor(under_test.arch)
+
+
+def frozen_4bit_state(model) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, layer in scenario.linear4bit_modules(model).items():
+        state[f"{name}.weight"] = layer.weight.detach().clone()
+        for index, tensor in enumerate(scenario.quant_state_tensors(layer.weight.quant_state)):
+            state[f"{name}.quant_state.{index}"] = tensor.detach().clone()
+    return state
+
+
+def adapter_effect(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        with_adapter = model(**batch).logits.float()
+        with model.disable_adapter():
+            without = model(**batch).logits.float()
+    return with_adapter - without
+
+
+def test_sft_qlora_trains_the_adapter_and_it_reloads(under_test, tmp_path):
+    from peft import PeftModel
+    from trl import SFTTrainer
+
+    base = scenario.load_base(under_test)
+    scenario.first_nested_linear4bit(base)
+    train_dataset, processing_class = dataset(under_test)
+    trainer = SFTTrainer(model=base, args=sft_config(tmp_path / "run", under_test.device), train_dataset=train_dataset,
+                         processing_class=processing_class, peft_config=tiny.lora_config(under_test.arch, "language"))
+    model = trainer.model
+    lora_on_4bit = [name for name in scenario.lora_wrapped(model) if name not in scenario.lora_on_unquantized_weights(model)]
+    scenario.require(lora_on_4bit, "the trainer put no LoRA on a 4-bit layer")
+    before_lora, before_base = trainers.lora_state(model), frozen_4bit_state(model)
+
+    trainer.train()
+
+    losses = trainers.trained_losses(trainer)
+    scenario.require(len(losses) == STEPS, f"training logged {len(losses)} losses, not {STEPS}")
+    print(f"stackcheck measured: SFT losses {[round(x, 4) for x in losses]}")
+    assert all(torch.isfinite(torch.tensor(losses))), f"SFT loss is not finite: {losses}"
+    still = [name for name, p in trainers.lora_state(model).items() if torch.equal(p, before_lora[name])]
+    assert not still, f"{len(still)} of {len(before_lora)} LoRA tensors did not move in {STEPS} SFT steps: {still[:3]}"
+    changed = [name for name, t in frozen_4bit_state(model).items() if not torch.equal(t, before_base[name])]
+    assert not changed, f"SFT changed {len(changed)} frozen 4-bit base tensors: {changed[:3]}"
+
+    batch = {k: v.to(under_test.device) for k, v in trainer.data_collator([trainer.train_dataset[0]]).items() if k != "labels"}
+    model.eval()
+    trained = adapter_effect(model, batch)
+    scenario.require(trained.abs().max() > 0, "the trained adapter does not change the outputs")
+    if "pixel_values" in batch:  # the image reaches the outputs (a zero projector would cut it out)
+        with torch.no_grad():
+            other = model(**{**batch, "pixel_values": batch["pixel_values"].flip(-1)}).logits
+            scenario.require(not torch.equal(other, model(**batch).logits), "the image does not change the outputs")
+    trainer.save_model(str(tmp_path / "adapter"))
+    reloaded = PeftModel.from_pretrained(scenario.load_base(under_test), tmp_path / "adapter").eval()
+    error = scenario.relative_error(adapter_effect(reloaded, batch), trained)
+    scenario.assert_within("the reloaded SFT adapter's effect differs from the trained one: relative error", error,
+                           RELOAD_TOLERANCE, judged_by=("of the trained effect kept", scenario.effect_kept(
+                               adapter_effect(reloaded, batch), trained, torch.zeros_like(trained))))
