@@ -52,6 +52,11 @@ CHAT_TEMPLATE = ("{% for message in messages %}{% if message['content'] is strin
                  "{% elif item['type'] == 'text' %}{{ item['text'] }} {% endif %}{% endfor %}{% endif %}{% endfor %}")
 
 
+def has_image_processor(arch) -> bool:
+    """Whether `processor` can build the architecture's processor: an image model with Gemma 3's pooled image tokens."""
+    return isinstance(arch.config.get("vision_config"), dict) and "mm_tokens_per_image" in arch.config
+
+
 def processor(arch):
     """The processor of an image model (Gemma 3's): its image processor at the tiny tower's image size and the
     tokenizer, expanding each image to the tiny config's `mm_tokens_per_image` soft tokens; a Gemma-3-shaped chat

@@ -38,6 +38,7 @@ from stackcheck import scenario
 from stackcheck.models import tiny
 
 GRADIENT_TOLERANCE = 0.01
+TOWERS = ("vision_tower", "audio_tower")
 
 
 def lora_model(under_test, quantized: bool, prepare=lambda base: base):
@@ -92,7 +93,9 @@ def checkpointed_gradients(under_test, model) -> dict[str, torch.Tensor]:
 
 
 def reference_gradients(under_test, model) -> dict[str, torch.Tensor]:
-    reference = lora_gradients(under_test, model)
+    """The LoRA gradients without checkpointing, of the LoRA tensors the text batch reaches: an adapter that also sits
+    in an image model's tower (PEFT's defaults on Gemma 3 with its SigLIP tower) gets none there from text."""
+    reference = {name: g for name, g in lora_gradients(under_test, model).items() if not any(tower in name for tower in TOWERS)}
     dead = [name for name, g in reference.items() if not g.any()]
     scenario.require(not dead, f"{len(dead)} LoRA tensors get no gradient even without checkpointing")
     return reference

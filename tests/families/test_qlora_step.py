@@ -120,8 +120,12 @@ def test_qlora_steps_learn_and_leave_the_4bit_base_untouched(under_test, adapter
 
     require_optimizer_moved(trainable, start)
     assert losses[-1] < losses[0], f"the loss did not decrease over {STEPS} steps: {losses}"
-    dead = [name for name, p in trainable.items() if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.any()]
-    assert not dead, f"{len(dead)} of {len(trainable)} LoRA parameters got no finite non-zero gradient: {dead[:3]}"
+    # A text batch reaches no tower: LoRA that PEFT's defaults put in an image model's tower (Gemma 3's SigLIP) is left
+    # out of the gradient check unless the batch is multimodal.
+    reached = {name: p for name, p in trainable.items()
+               if ADAPTERS[adapter] or not any(tower in name for tower in ("vision_tower", "audio_tower"))}
+    dead = [name for name, p in reached.items() if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.any()]
+    assert not dead, f"{len(dead)} of {len(reached)} LoRA parameters got no finite non-zero gradient: {dead[:3]}"
     changed = [name for name, tensor in frozen_state(model).items() if not torch.equal(tensor, before[name])]
     assert not changed, f"training changed {len(changed)} frozen base tensors: {changed[:3]}"
     on_linears = sum(p.numel() for name, p in trainable.items() if on_a_linear_layer(model, name))

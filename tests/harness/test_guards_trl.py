@@ -1,0 +1,77 @@
+"""Guards of the trl phase's contract families: a deliberately broken library piece makes the real family test fail
+with the family's own message (or stop as scenario not reached), never pass."""
+
+import importlib
+
+import pytest
+import torch
+
+from stackcheck import scenario
+from stackcheck.models import architectures
+from stackcheck.scenario import ScenarioNotReached
+
+LLAMA3 = scenario.UnderTest(architectures.builtin()["llama3"], torch.device("cpu"))
+
+
+def family(name: str):
+    return importlib.import_module(f"tests.contract.trl.test_{name}")
+
+
+def test_sft_fails_when_the_trainer_leaves_lora_tensors_frozen(monkeypatch, tmp_path):
+    """The class of bug: a trainer or PEFT release that wraps the model but leaves some LoRA tensors out of training."""
+    import trl.trainer.sft_trainer as sft_trainer
+
+    real = sft_trainer.get_peft_model
+
+    def half_frozen(model, config, *args, **kwargs):
+        peft_model = real(model, config, *args, **kwargs)
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name and ".layers.0." in name:
+                parameter.requires_grad_(False)
+        return peft_model
+
+    monkeypatch.setattr(sft_trainer, "get_peft_model", half_frozen)
+    with pytest.raises(AssertionError, match=r"\d+ of \d+ LoRA tensors did not move in \d+ SFT steps"):
+        family("sft_qlora").test_sft_qlora_trains_the_adapter_and_it_reloads(LLAMA3, tmp_path)
+
+
+def test_sft_fails_when_the_saved_adapter_reloads_without_its_weights(monkeypatch, tmp_path):
+    """The class of bug: an adapter saved under keys the model no longer has reloads at its initialisation."""
+    import peft
+
+    real = peft.PeftModel.from_pretrained
+
+    def renamed(model, path, *args, **kwargs):
+        loaded = real(model, path, *args, **kwargs)
+        with torch.no_grad():
+            for name, parameter in loaded.named_parameters():
+                if "lora_B" in name:
+                    parameter.zero_()
+        return loaded
+
+    monkeypatch.setattr(peft.PeftModel, "from_pretrained", staticmethod(renamed))
+    with pytest.raises(AssertionError, match="the reloaded SFT adapter's effect differs from the trained one"):
+        family("sft_qlora").test_sft_qlora_trains_the_adapter_and_it_reloads(LLAMA3, tmp_path)
+
+
+def test_grpo_sync_fails_when_unmerge_leaves_the_delta_in(monkeypatch):
+    """The class of bug: an unmerge that forgets to subtract dW (the model stays merged while LoRA is active again)."""
+    from peft.tuners.lora import layer
+
+    monkeypatch.setattr(layer.Linear, "unmerge", lambda self: self.merged_adapters.clear())
+    with pytest.raises(AssertionError, match="the weights drift further with every GRPO weight sync"):
+        family("grpo_weight_sync").test_grpo_weight_sync_pushes_w_plus_dw_and_unmerges_back(LLAMA3, scenario.prompt(LLAMA3.device), False)
+
+
+def test_grpo_sync_stops_when_a_lora_layer_is_not_pushed(monkeypatch):
+    from stackcheck.harness import trainers
+
+    real = trainers.vllm_sync
+
+    def dropping(model):
+        pushed, states = real(model)
+        return {name: t for name, t in pushed.items() if "q_proj" not in name}, states
+
+    monkeypatch.setattr(trainers, "vllm_sync", dropping)
+    with pytest.raises(ScenarioNotReached, match="the sync pushed no weight for"):
+        family("grpo_weight_sync").test_grpo_weight_sync_pushes_w_plus_dw_and_unmerges_back(LLAMA3, scenario.prompt(LLAMA3.device), False)
