@@ -98,27 +98,34 @@ def vllm_name(module_name: str) -> str:
     return module_name.removeprefix("base_model.model.").replace(".base_layer", "") + ".weight"
 
 
-def vllm_sync(model) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
-    """The weights GRPO pushes to vLLM, as trl's own `VLLMGeneration._iter_named_params` yields them: PEFT's
-    `merge_adapter`, the merged parameters under vLLM's names, `unmerge_adapter` (the generator is trl's; only the
-    receiving engine is absent). Returns copies of the tensors pushed by name, and for a 4-bit base the quant state
-    each merged 4-bit weight had while it was pushed (the packed codes alone cannot be read without it)."""
+@cache
+def _backend(on_cpu: bool):
     from accelerate import Accelerator
     from trl.distributed import DistributedBackend
+
+    return DistributedBackend(Accelerator(cpu=on_cpu))
+
+
+def vllm_sync(model, keep=None) -> tuple[dict[str, torch.Tensor | None], dict[str, object]]:
+    """The weights GRPO pushes to vLLM, as trl's own `VLLMGeneration._iter_named_params` yields them: PEFT's
+    `merge_adapter`, the merged parameters under vLLM's names, `unmerge_adapter` (the generator is trl's; only the
+    receiving engine is absent). Returns every pushed name with a copy of its tensor (of the names in `keep` only, when
+    given; None for the others), and for a 4-bit base the quant state each merged 4-bit weight had while it was pushed
+    (the packed codes alone cannot be read without it)."""
     from trl.generation.vllm_generation import VLLMGeneration
 
     from stackcheck.harness.load import linear4bit_modules
 
     generation = VLLMGeneration.__new__(VLLMGeneration)  # its __init__ starts vLLM; the sync reads only these two
     generation.model = model
-    generation._dist = DistributedBackend(Accelerator(cpu=next(model.parameters()).device.type == "cpu"))
-    pushed, states = {}, {}
+    generation._dist = _backend(next(model.parameters()).device.type == "cpu")
+    pushed, states = {}, None
     for name, tensor in generation._iter_named_params():
-        if not states:  # the first tensor comes once every layer is merged: its 4-bit states are the pushed ones
-            states = {vllm_name(layer): copy.deepcopy(module.weight.quant_state) for layer, module in linear4bit_modules(model).items()}
-            states = states or {None: None}
-        pushed[name] = tensor.detach().clone()
-    return pushed, {name: state for name, state in states.items() if name is not None}
+        if states is None:  # the first tensor comes once every layer is merged: its 4-bit states are the pushed ones
+            states = {vllm_name(layer): copy.deepcopy(module.weight.quant_state) for layer, module in linear4bit_modules(model).items()
+                      if keep is None or vllm_name(layer) in keep}
+        pushed[name] = tensor.detach().clone() if keep is None or name in keep else None
+    return pushed, states or {}
 
 
 def require_trl_sync():

@@ -59,7 +59,7 @@ def test_grpo_sync_fails_when_unmerge_leaves_the_delta_in(monkeypatch):
     from peft.tuners.lora import layer
 
     monkeypatch.setattr(layer.Linear, "unmerge", lambda self: self.merged_adapters.clear())
-    with pytest.raises(AssertionError, match="the weights drift further with every GRPO weight sync"):
+    with pytest.raises(AssertionError, match="GRPO weight syncs do not give the weights back"):
         family("grpo_weight_sync").test_grpo_weight_sync_pushes_w_plus_dw_and_unmerges_back(LLAMA3, scenario.prompt(LLAMA3.device), False)
 
 
@@ -68,8 +68,8 @@ def test_grpo_sync_stops_when_a_lora_layer_is_not_pushed(monkeypatch):
 
     real = trainers.vllm_sync
 
-    def dropping(model):
-        pushed, states = real(model)
+    def dropping(model, keep=None):
+        pushed, states = real(model, keep)
         return {name: t for name, t in pushed.items() if "q_proj" not in name}, states
 
     monkeypatch.setattr(trainers, "vllm_sync", dropping)

@@ -14,8 +14,9 @@ The property, over `SYNCS` syncs on every architecture:
 - what is pushed for each LoRA layer's weight is W + dW: its change from W, projected on PEFT's own delta
   (`get_delta_weight`), keeps the delta (`PUSH_KEPT_BAND`; for NF4 the pushed codes are read with the quant state
   the layer held while they were pushed);
-- the syncs do not compound: after the last sync the weights are no further from W than one sync's rounding put them
-  (`DRIFT_GROWTH`: the drift after `SYNCS` syncs over the drift after one, both as a share of the delta's norm). The
+- the syncs give the weights back: after the last sync every LoRA layer's base weight is W again
+  (`DRIFT_TOLERANCE` of the delta's norm, far above an fp32 merge's rounding and below one bf16 re-rounding). A drift
+  of one sync compounds over the thousands of syncs of a GRPO run (measured over 20 here: see the constants). The
   logits' drift (a share of the adapter's effect on them) is reported beside it.
 
 Bugs of this class: merge or unmerge dropping, doubling or re-rounding the delta (peft's 4-bit unmerge re-quantizes
@@ -34,12 +35,13 @@ from stackcheck import scenario
 from stackcheck.harness import trainers
 from stackcheck.models import tiny
 
-SYNCS = 20
+SYNCS = 3
 PUSH_KEPT_BAND = (0.8, 1.2)
-# A sync that gives back what it took leaves the weights where one merge's rounding put them: the drift after the
-# last sync is no larger than after the first. Rounding noise is allowed half again; a drift that compounds is not.
-DRIFT_GROWTH = 1.5
-TINY_DRIFT = 1e-6  # below this a first sync's drift is none at all (an fp32 merge): any growth then reads as large
+# A sync gives back what it took: after it the weights are W again. An fp32 merge and unmerge leaves ~1e-7 of the
+# delta's norm (trl#6688's control: flat over 1000 cycles); every cycle of a bf16 one re-rounds W (0.0024 to 0.006 of
+# the delta after one sync, compounding: 2.6 to 7.4 times that after 20), an NF4 one re-quantizes it (0.10 to 0.41
+# after one, 4.3 to 5.0 times that after 20). Measured on the tiny models, CPU, seed and latest.
+DRIFT_TOLERANCE = 1e-3
 
 
 def dense(layer, state=None, data=None) -> torch.Tensor:
@@ -75,7 +77,7 @@ def test_grpo_weight_sync_pushes_w_plus_dw_and_unmerges_back(under_test, prompt,
 
     kept, drift = {}, {}
     for sync in range(SYNCS):
-        pushed, states = trainers.vllm_sync(model)
+        pushed, states = trainers.vllm_sync(model, keep=set(layers) if sync == 0 else set())
         if sync == 0:
             missing = sorted(set(layers) - set(pushed))
             scenario.require(not missing, f"the sync pushed no weight for {len(missing)} LoRA layers: {missing[:2]}")
@@ -93,5 +95,5 @@ def test_grpo_weight_sync_pushes_w_plus_dw_and_unmerges_back(under_test, prompt,
           f"{logit_drift:.4f} (of the adapter's effect)")
     outside = {name: round(value, 4) for name, value in kept.items() if not PUSH_KEPT_BAND[0] <= value <= PUSH_KEPT_BAND[1]}
     assert not outside, f"the synced weights are not W + dW: the delta kept is outside {PUSH_KEPT_BAND} for {len(outside)} layers: {list(outside.items())[:3]}"
-    scenario.assert_within(f"the weights drift further with every GRPO weight sync: drift after {SYNCS} syncs, in drifts after one",
-                           drift[SYNCS - 1] / max(drift[0], TINY_DRIFT), DRIFT_GROWTH)
+    scenario.assert_within(f"GRPO weight syncs do not give the weights back: drift from W after {SYNCS} syncs, of the delta's norm",
+                           drift[SYNCS - 1], DRIFT_TOLERANCE)
