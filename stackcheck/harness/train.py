@@ -1,4 +1,6 @@
-"""Train: the fixed training batch (text, or text with an image and an audio clip) and the optimizer steps."""
+"""Train: the fixed training batch (text, or text with an image and an audio clip), the optimizer steps, and what a
+training contract reads: mixed precision as users run it, checkpointing as PEFT's QLoRA recipe sets it up, the LoRA
+gradients, the frozen base's bits."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import torch
 
 from stackcheck.harness.generate import PROMPT_IDS
 from stackcheck.harness.subject import UnderTest
+from stackcheck.models import tiny
 
 
 # One fixed training batch: the prompt and four more tokens, its own labels.
@@ -63,3 +66,165 @@ def train_steps(under_test: UnderTest, model, optimizer, steps: int, multimodal:
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+# --- Precision, checkpointing and the LoRA gradients: the building blocks of the train contract (and of the
+# distributed one). Free of pytest fixtures: an `UnderTest` and a model are all they take.
+
+# Gradient checkpointing as `prepare_model_for_kbit_training(gradient_checkpointing_kwargs=...)` sets it up (it calls
+# transformers' `gradient_checkpointing_enable`): off, or on with `use_reentrant` chosen explicitly.
+CHECKPOINTING = {"off": None, "reentrant": True, "non_reentrant": False}
+
+# The half precision of a QLoRA run: the base loaded in it, bitsandbytes computing in it, the forward under autocast.
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_base_in(under_test: UnderTest, dtype: torch.dtype, **kwargs):
+    """The user's 4-bit load for a run in `dtype`: `from_pretrained(dtype=...)` with `bnb_4bit_compute_dtype` the same
+    (a T4 user's fp16, everyone else's bf16), NF4 with double quant."""
+    from stackcheck.harness.load import bnb_config, pin_portable_cpu_kernel
+
+    config = bnb_config()
+    config.bnb_4bit_compute_dtype = dtype
+    device_map = kwargs.pop("device_map", {"": str(under_test.device)})
+    model = tiny.model_class(under_test.arch).from_pretrained(tiny.base_checkpoint(under_test.arch), dtype=dtype, device_map=device_map,
+                                                             quantization_config=config, **kwargs).eval()
+    pin_portable_cpu_kernel(model)
+    return model
+
+
+def kbit_lora_model(under_test: UnderTest, base, use_reentrant: bool | None, adapter: str = "language", seed: int = tiny.SEED + 1,
+                    **lora_overrides):
+    """The QLoRA recipe with checkpointing chosen: `prepare_model_for_kbit_training` (its fp32 upcast, its
+    checkpointing with `use_reentrant`, none for None), then `get_peft_model` with the adapter fixture's targets, its
+    LoRA initialised from `seed`, in training mode."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    checkpointing = use_reentrant is not None
+    base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=checkpointing,
+                                           gradient_checkpointing_kwargs={"use_reentrant": use_reentrant} if checkpointing else None)
+    torch.manual_seed(seed)
+    model = get_peft_model(base, tiny.lora_config(under_test.arch, adapter, **lora_overrides))
+    model.train()
+    return model
+
+
+def half_precision_parameters(model) -> list[str]:
+    """The floating parameters of `model` still in fp16 or bf16 (none after `prepare_model_for_kbit_training`'s upcast;
+    4-bit weights are not floating)."""
+    return [name for name, p in model.named_parameters() if p.dtype in (torch.float16, torch.bfloat16)]
+
+
+class MixedPrecision:
+    """Mixed precision as users run it (what `Trainer(bf16=True)` or `Trainer(fp16=True)` does through accelerate):
+    each forward under `torch.autocast` in `dtype`, and for fp16 a `torch.amp.GradScaler` with its defaults, which scales
+    the loss, unscales the gradients before the step and skips a step whose gradients are not finite."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+        self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def loss(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with self.autocast():
+            return model(**batch).loss
+
+    @property
+    def scale(self) -> float:
+        return 1.0 if self.scaler is None else self.scaler.get_scale()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def unscale(self, optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer) -> bool:
+        """The optimizer step (after `unscale`); whether it was taken (the scaler skips it on inf or NaN gradients)."""
+        if self.scaler is None:
+            optimizer.step()
+            return True
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() >= before
+
+
+def lora_parameters(model) -> dict[str, torch.nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if "lora_" in name}
+
+
+def gradient_copies(parameters: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor | None]:
+    """Copies of the gradients of `parameters` in fp32 (None where there is none)."""
+    return {name: None if p.grad is None else p.grad.detach().float().clone() for name, p in parameters.items()}
+
+
+def without_gradient(grads: dict[str, torch.Tensor | None]) -> list[str]:
+    """The tensors whose gradient is missing, not finite, or zero everywhere."""
+    return [name for name, g in grads.items() if g is None or not torch.isfinite(g).all() or not g.any()]
+
+
+def frozen_state(model) -> dict[str, torch.Tensor]:
+    """Copies of every frozen tensor of the base: parameters, and each 4-bit layer's quant state. Parameters an
+    offload hook keeps on meta hold no data to compare (on a split base: unquantized tables and towers)."""
+    from stackcheck.harness.load import linear4bit_modules, quant_state_tensors
+
+    state = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad and p.device.type != "meta"}
+    for name, layer in linear4bit_modules(model).items():
+        for index, tensor in enumerate(quant_state_tensors(layer.weight.quant_state)):
+            state[f"{name}.quant_state.{index}"] = tensor.detach().clone()
+    return state
+
+
+def tensors_changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose tensor is not bit-identical between two snapshots (`frozen_state`, or any name -> tensor map)."""
+    return [name for name, tensor in before.items() if not torch.equal(tensor, after[name])]
+
+
+def forward_runs(module: torch.nn.Module, run) -> int:
+    """How often `module` ran its forward during `run()`. Hooked on a child of a checkpointed decoder layer (its
+    attention), it counts the recomputation too: 2 for a forward and backward with checkpointing, 1 without (the
+    layer's own hooks sit outside transformers' checkpoint wrapper and see the first pass only)."""
+    calls = []
+    handle = module.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        run()
+    finally:
+        handle.remove()
+    return len(calls)
+
+
+def first_layer_attention(model) -> torch.nn.Module:
+    from stackcheck.harness.place import decoder_layers
+
+    return decoder_layers(model)[0].self_attn
+
+
+# bitsandbytes' AdamW family as QLoRA users pick it (the Trainer's `optim` names): the class, and the bits of its state.
+BNB_ADAMW = {"adamw_8bit": ("AdamW8bit", 8), "paged_adamw_8bit": ("PagedAdamW8bit", 8), "paged_adamw_32bit": ("PagedAdamW", 32)}
+
+
+def bnb_adamw(name: str, params, **hyperparameters) -> torch.optim.Optimizer:
+    """The bitsandbytes optimizer `name` (a key of BNB_ADAMW) over `params`. bitsandbytes keeps the state of a tensor
+    under `min_8bit_size` elements (4096) in 32 bits; the tiny models' LoRA tensors all are, so the 8-bit optimizers get
+    `min_8bit_size=0`: the 8-bit state a full-size model's LoRA tensors (rank 16 x 4096 = 65536 elements) get."""
+    import bitsandbytes as bnb
+
+    class_name, bits = BNB_ADAMW[name]
+    if bits == 8:
+        hyperparameters = {**hyperparameters, "min_8bit_size": 0}
+    return getattr(bnb.optim, class_name)(params, **hyperparameters)
+
+
+def state_dtypes(optimizer: torch.optim.Optimizer, parameters: dict[str, torch.nn.Parameter]) -> dict[str, torch.dtype | None]:
+    """The dtype of each parameter's first optimizer state (bitsandbytes' `state1`, torch's `exp_avg`); None where the
+    optimizer holds no state for it."""
+    dtypes = {}
+    for name, p in parameters.items():
+        state = optimizer.state.get(p, {})
+        first = state.get("state1", state.get("exp_avg"))
+        dtypes[name] = None if first is None else first.dtype
+    return dtypes

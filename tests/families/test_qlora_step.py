@@ -39,16 +39,6 @@ from stackcheck.models import tiny
 STEPS = 5
 
 
-def frozen_state(model) -> dict[str, torch.Tensor]:
-    """Copies of every frozen tensor of the base: parameters, and each 4-bit layer's quant state. Parameters an
-    offload hook keeps on meta hold no data to compare (on the split base: unquantized tables and towers)."""
-    state = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad and p.device.type != "meta"}
-    for name, layer in scenario.linear4bit_modules(model).items():
-        for index, tensor in enumerate(scenario.quant_state_tensors(layer.weight.quant_state)):
-            state[f"{name}.quant_state.{index}"] = tensor.detach().clone()
-    return state
-
-
 def targeted(base, target_modules: str | list[str]) -> dict[str, torch.nn.Module]:
     """The linear layers of `base` that LoRA targets mean, read as PEFT documents them: a regular expression
     matching the whole name, names matching a module's trailing dotted part, or every linear layer but the
@@ -112,7 +102,7 @@ def test_qlora_steps_learn_and_leave_the_4bit_base_untouched(under_test, adapter
     config = tiny.lora_config(under_test.arch, adapter)
     expected = expected_trainable(base, config.target_modules, config.r)
     model = scenario.qlora_model(under_test, base, adapter)
-    before = frozen_state(model)
+    before = scenario.frozen_state(model)
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
     start = {name: p.detach().clone() for name, p in trainable.items()}
 
@@ -126,7 +116,7 @@ def test_qlora_steps_learn_and_leave_the_4bit_base_untouched(under_test, adapter
                if ADAPTERS[adapter] or not any(tower in name for tower in ("vision_tower", "audio_tower"))}
     dead = [name for name, p in reached.items() if p.grad is None or not torch.isfinite(p.grad).all() or not p.grad.any()]
     assert not dead, f"{len(dead)} of {len(reached)} LoRA parameters got no finite non-zero gradient: {dead[:3]}"
-    changed = [name for name, tensor in frozen_state(model).items() if not torch.equal(tensor, before[name])]
+    changed = scenario.tensors_changed(before, scenario.frozen_state(model))
     assert not changed, f"training changed {len(changed)} frozen base tensors: {changed[:3]}"
     on_linears = sum(p.numel() for name, p in trainable.items() if on_a_linear_layer(model, name))
     print(f"stackcheck measured: {sum(p.numel() for p in trainable.values()) - on_linears} trainable LoRA parameters on "
