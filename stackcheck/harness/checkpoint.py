@@ -1,0 +1,199 @@
+"""Checkpoint: a QLoRA run through transformers' Trainer that saves checkpoints, what it did at each step, and its
+resumption from a checkpoint in a fresh process (`resume_in_fresh_process`, which runs this module as a program with
+the interpreter running the tests: the set's python).
+
+Both processes build the same run (`qlora_trainer`): the 4-bit base, PEFT's QLoRA recipe with LoRA dropout (so the
+RNG state a checkpoint restores matters), a dataset of distinct samples the Trainer shuffles (so the batches a resume
+skips matter), the linear learning-rate schedule (so the scheduler's state matters), and a `Recorder` that copies
+what a resume must restore: the step it began at, the adapter and optimizer state it began with, the loss of every
+step (full precision: the Trainer's own log rounds it), the adapter after every step, the optimizer state at the end.
+Free of pytest fixtures (the distributed contract reuses it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from stackcheck import REPO_ROOT
+from stackcheck.harness.load import first_nested_linear4bit
+from stackcheck.harness.subject import UnderTest
+from stackcheck.harness.train import TRAINING_IDS, kbit_lora_model, load_base_in, lora_parameters
+
+MAX_STEPS = 4
+SAVE_STEPS = 2  # the checkpoint a resume starts from: checkpoint-2
+LEARNING_RATE = 1e-2
+SEED = 42
+# Large enough for bitsandbytes to keep most LoRA tensors' optimizer state in 8 bits (tensors of 4096 elements and more:
+# rank 64 x hidden 128), so a run with an 8-bit optimizer saves and loads 8-bit state. Dropout makes the RNG state part
+# of what a resume restores; not on a mixture of experts, whose fused-expert LoRA (PEFT's ParamWrapper) refuses it.
+LORA = {"r": 64, "lora_alpha": 128, "lora_dropout": 0.1}
+# What the Trainer writes into a checkpoint of a PEFT model, and what a resume reads back.
+CHECKPOINT_FILES = {"adapter": "adapter_model.safetensors", "optimizer": "optimizer.pt", "scheduler": "scheduler.pt",
+                    "RNG state": "rng_state.pth", "trainer state": "trainer_state.json"}
+RESUME_TIMEOUT = 240.0
+
+
+def training_samples() -> list[dict[str, list[int]]]:
+    """MAX_STEPS distinct samples (rotations of the fixed training sequence, its tokens only), their own labels."""
+    ids = TRAINING_IDS[0]
+    rotations = [ids[k:] + ids[:k] for k in range(0, MAX_STEPS * 3, 3)]
+    return [{"input_ids": r, "labels": r} for r in rotations]
+
+
+@dataclass
+class Record:
+    """What a Trainer run did, copied as it ran (tensors on the CPU, in fp32)."""
+
+    begin_step: int = -1
+    begin_adapter: dict[str, torch.Tensor] = field(default_factory=dict)
+    begin_optimizer: dict = field(default_factory=dict)
+    losses: dict[int, float] = field(default_factory=dict)  # by the step it trained (1-based)
+    adapters: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # after each step
+    end_optimizer: dict = field(default_factory=dict)
+
+    def save(self, path: Path) -> None:
+        torch.save(dataclasses.asdict(self), path)
+
+    @classmethod
+    def load(cls, path: Path) -> Record:
+        return cls(**torch.load(path, weights_only=True))
+
+
+def _copy(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_copy(v) for v in value]
+    return value
+
+
+def adapter_copy(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().float().cpu().clone() for name, p in lora_parameters(model).items()}
+
+
+def make_recorder(model, record: Record):
+    """A TrainerCallback filling `record`, and a forward hook on `model` for the losses (removed at train end)."""
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.handle = model.register_forward_hook(self.loss_seen)
+            self.step = 0
+
+        def loss_seen(self, module, args, output):
+            if module.training and getattr(output, "loss", None) is not None:
+                record.losses[self.step + 1] = output.loss.item()
+
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            record.begin_step = self.step = state.global_step
+            record.begin_adapter = adapter_copy(model)
+            record.begin_optimizer = _copy(optimizer.state_dict()) if optimizer is not None else {}
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step = state.global_step
+            record.adapters[state.global_step] = adapter_copy(model)
+
+        def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+            self.handle.remove()
+            record.end_optimizer = _copy(optimizer.state_dict()) if optimizer is not None else {}
+
+    return Recorder()
+
+
+def qlora_trainer(under_test: UnderTest, output_dir: Path, optim: str):
+    """The run: the bf16 4-bit base, PEFT's QLoRA recipe (no checkpointing) with LORA, the Trainer with `optim`
+    (its name for the optimizer: `adamw_torch`, `paged_adamw_8bit`), saving every SAVE_STEPS steps. The Trainer and the
+    Record its callback fills."""
+    from transformers import Trainer, TrainingArguments
+
+    base = load_base_in(under_test, torch.bfloat16)
+    first_nested_linear4bit(base)
+    lora = dict(LORA)
+    if "experts" in under_test.structures:  # PEFT's LoRA on fused experts (ParamWrapper) refuses dropout
+        lora["lora_dropout"] = 0.0
+    model = kbit_lora_model(under_test, base, use_reentrant=None, **lora)
+    args = TrainingArguments(
+        output_dir=str(output_dir), max_steps=MAX_STEPS, per_device_train_batch_size=1, learning_rate=LEARNING_RATE,
+        optim=optim, logging_steps=1, save_strategy="steps", save_steps=SAVE_STEPS, seed=SEED, report_to="none",
+        use_cpu=under_test.device.type == "cpu", dataloader_num_workers=0,
+    )
+    record = Record()
+    trainer = Trainer(model=model, args=args, train_dataset=training_samples(), callbacks=[make_recorder(model, record)])
+    return trainer, record
+
+
+def checkpoint_dir(output_dir: Path, step: int = SAVE_STEPS) -> Path:
+    return output_dir / f"checkpoint-{step}"
+
+
+def missing_checkpoint_files(checkpoint: Path) -> list[str]:
+    return [what for what, name in CHECKPOINT_FILES.items() if not (checkpoint / name).is_file()]
+
+
+def saved_step(checkpoint: Path) -> int | None:
+    """The global step the checkpoint's trainer state says it was saved at (None without one)."""
+    path = checkpoint / CHECKPOINT_FILES["trainer state"]
+    return json.loads(path.read_text())["global_step"] if path.is_file() else None
+
+
+def run_uninterrupted(under_test: UnderTest, output_dir: Path, optim: str) -> Record:
+    """MAX_STEPS steps in this process, saving checkpoints on the way."""
+    trainer, record = qlora_trainer(under_test, output_dir, optim)
+    trainer.train()
+    return record
+
+
+def resume(under_test: UnderTest, checkpoint: Path, output_dir: Path, optim: str) -> Record:
+    """`trainer.train(resume_from_checkpoint=...)` on a freshly built run, in this process."""
+    trainer, record = qlora_trainer(under_test, output_dir, optim)
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    return record
+
+
+class ResumeFailed(RuntimeError):
+    """The fresh process did not finish its resume: its output's tail says why."""
+
+
+def resume_in_fresh_process(under_test: UnderTest, checkpoint: Path, output_dir: Path, optim: str,
+                            timeout: float = RESUME_TIMEOUT) -> Record:
+    """`resume` in a new process of this interpreter (the user's second `python train.py --resume`), which rebuilds
+    the architecture from its fields (a user's config.json included). Its Record."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    arch = under_test.arch
+    fields = dataclasses.asdict(arch) | {"declared": None if arch.declared is None else sorted(arch.declared)}
+    call = output_dir / "resume.json"
+    call.write_text(json.dumps({"architecture": fields, "device": str(under_test.device), "checkpoint": str(checkpoint),
+                                "output_dir": str(output_dir), "optim": optim, "record": str(output_dir / "record.pt")}))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-m", __name__, str(call)], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
+        raise ResumeFailed(f"the resuming process exited with {done.returncode}:\n{tail}")
+    return Record.load(output_dir / "record.pt")
+
+
+def main(argv: list[str]) -> int:
+    import warnings
+
+    from stackcheck.models.architectures import Architecture
+
+    warnings.filterwarnings("ignore")
+    call = json.loads(Path(argv[0]).read_text())
+    under_test = UnderTest(Architecture(**call["architecture"]), torch.device(call["device"]))
+    record = resume(under_test, Path(call["checkpoint"]), Path(call["output_dir"]), call["optim"])
+    record.save(Path(call["record"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,125 @@
+"""Contract, checkpoint: a QLoRA run that transformers' Trainer resumes from its checkpoint in a fresh process
+continues exactly as the run that was never interrupted.
+
+The user's journey: `Trainer(...).train()` on a 4-bit base with a LoRA adapter saves `checkpoint-2` (the adapter,
+the optimizer's state, the learning-rate scheduler's, the RNG states, the trainer state); the job dies; a new process
+builds the same run and calls `trainer.train(resume_from_checkpoint="checkpoint-2")`.
+
+The property, against the same run trained 4 steps in one go: the resumed process begins at the checkpoint's step
+with the checkpoint's adapter and a loaded (non-empty) optimizer state; the losses of steps 3 and 4 (the next step's
+first), the adapter after them and the optimizer's state at the end are the uninterrupted run's. What makes each
+part matter: LoRA dropout (the RNG state), distinct samples shuffled by the Trainer (the batches a resume skips),
+the linear schedule at lr 1e-2 (the scheduler's step), Adam's moments (the optimizer's state).
+
+Bugs of this shape it catches: a checkpoint without the optimizer or RNG state, or a resume that silently skips
+loading them (DeepSpeed PR #7786: bf16 optimizer state neither saved nor loaded, resume lost Adam's moments); an
+adapter that a resume does not load or loads under other keys (peft#2822, transformers#38927's key mapping: the
+adapter silently at its initialisation); a data loader that does not skip the trained batches (accelerate PR #4071);
+a loss that jumps after a resume (unsloth#5037); and for bitsandbytes' 8-bit optimizers, 8-bit state that does not
+survive `state_dict`/`load_state_dict`.
+
+Axes, covered by pairs with the architecture: the Trainer's `optim` (`adamw_torch`; `paged_adamw_8bit`, the QLoRA
+paper's, whose state is 8-bit for the LoRA tensors of 4096 elements and more: LoRA rank 64 here). On the CPU lane, the
+fresh process (about 10 s of imports and loading on 2 cores) runs on a pick of cells: CPU_CELLS.
+
+Precondition proven: the base is NF4 with nested quant state; the Trainer saved `checkpoint-2` at step 2 (its trainer
+state says so); with `paged_adamw_8bit`, the optimizer's state is 8-bit (uint8) for some LoRA tensors.
+
+Tolerance: 1e-6 relative error per tensor and per loss; on the CPU every cell measured 0.0 (bit-exact: the resumed
+process runs the same kernels on the same inputs), seed and latest: docs/contract-train-checkpoint.md. A resume that
+loses a part of the state is off by 1e-2 or more (guard tests: tests/harness/test_guards_train.py).
+"""
+
+import pytest
+import torch
+
+from stackcheck import scenario
+from stackcheck.harness import checkpoint
+from stackcheck.models import architectures
+
+TOLERANCE = 1e-6
+OPTIMS = {"adamw_torch": "adamw_torch", "paged_adamw_8bit": "paged_adamw_8bit"}
+# The CPU lane's cells (architecture, optim) among the built-in architectures: the fresh process costs seconds each.
+# An architecture that is not built in (a user's config.json) runs with torch's AdamW.
+CPU_CELLS = {("gemma4", "adamw_torch"), ("llama3", "paged_adamw_8bit"), ("qwen3moe", "adamw_torch")}
+
+
+def relative_error(measured, reference) -> float:
+    if isinstance(reference, torch.Tensor):
+        if reference.dtype.is_floating_point or reference.dtype == torch.uint8:
+            measured, reference = measured.double(), reference.double()
+            norm = reference.norm().item()
+            return (measured - reference).norm().item() / (norm or 1.0)
+        return 0.0 if torch.equal(measured, reference) else 1.0
+    return 0.0 if measured == reference else abs(measured - reference) / (abs(reference) or 1.0)
+
+
+def flat_state(state_dict: dict) -> dict[str, object]:
+    """An optimizer state_dict's per-parameter state, flattened to "index.key" (bitsandbytes 0.50 nests its tensors
+    under `__bnb_optimizer_quant_state__`)."""
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}", item)
+        else:
+            flat[prefix] = value
+
+    for index, state in state_dict.get("state", {}).items():
+        walk(str(index), state)
+    return flat
+
+
+def state_errors(measured: dict, reference: dict) -> dict[str, float]:
+    """Per tensor (or number) of an optimizer's state_dict: the relative error of `measured` against `reference`."""
+    measured, reference = flat_state(measured), flat_state(reference)
+    return {key: relative_error(measured[key], value) if key in measured else float("inf") for key, value in reference.items()}
+
+
+def worst(errors: dict[str, float]) -> tuple[str, float]:
+    return max(errors.items(), key=lambda item: item[1]) if errors else ("nothing", float("inf"))
+
+
+def require_cpu_cell(under_test, optim) -> None:
+    if under_test.device.type != "cpu":
+        return
+    name = under_test.arch.name
+    picked = (name, optim) in CPU_CELLS if name in architectures.builtin() else optim == "adamw_torch"
+    if not picked:
+        pytest.skip(f"CPU lane: the fresh-process resume runs on {', '.join('-'.join(cell) for cell in sorted(CPU_CELLS))} "
+                    "(and with adamw_torch on an architecture that is not built in)")
+
+
+@pytest.mark.axes(optim=OPTIMS)
+def test_resume_in_a_fresh_process_continues_the_run(under_test, optim, tmp_path):
+    require_cpu_cell(under_test, optim)
+    reference = checkpoint.run_uninterrupted(under_test, tmp_path / "run", optim)
+    saved = checkpoint.checkpoint_dir(tmp_path / "run")
+    scenario.require(checkpoint.saved_step(saved) == checkpoint.SAVE_STEPS,
+                     f"the Trainer saved no checkpoint at step {checkpoint.SAVE_STEPS} ({saved.name}: step {checkpoint.saved_step(saved)})")
+    if "8bit" in optim:
+        dtypes = {value.dtype for key, value in flat_state(reference.end_optimizer).items() if key.endswith(".state1")}
+        scenario.require(torch.uint8 in dtypes, f"{optim} kept no 8-bit state (state dtypes {sorted(map(str, dtypes))})")
+    missing = checkpoint.missing_checkpoint_files(saved)
+    assert not missing, f"the Trainer's checkpoint lacks the {', '.join(missing)}"
+
+    resumed = checkpoint.resume_in_fresh_process(under_test, saved, tmp_path / "resumed", optim)
+
+    steps = sorted(resumed.losses)
+    assert resumed.begin_step == checkpoint.SAVE_STEPS and steps == list(range(checkpoint.SAVE_STEPS + 1, checkpoint.MAX_STEPS + 1)), (
+        f"the resumed run began at step {resumed.begin_step} and trained steps {steps}, not the steps after the checkpoint's {checkpoint.SAVE_STEPS}")
+    name, error = worst({n: relative_error(t, reference.adapters[checkpoint.SAVE_STEPS][n]) for n, t in resumed.begin_adapter.items()})
+    assert error <= TOLERANCE, f"the resumed run began with an adapter that is not the checkpoint's: {name} relative error {error:.3g}"
+    loaded = [value for value in flat_state(resumed.begin_optimizer).values()
+              if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() > 1]
+    assert loaded and any(value.any() for value in loaded), "the resumed run began with an empty optimizer state: it was not loaded"
+
+    losses = {f"step {s} loss": relative_error(resumed.losses[s], reference.losses[s]) for s in steps}
+    adapter = {n: relative_error(t, reference.adapters[checkpoint.MAX_STEPS][n]) for n, t in resumed.adapters[checkpoint.MAX_STEPS].items()}
+    optimizer = state_errors(resumed.end_optimizer, reference.end_optimizer)
+    print(f"stackcheck measured: losses {[resumed.losses[s] for s in steps]} resumed, {[reference.losses[s] for s in steps]} uninterrupted; "
+          f"worst adapter error {worst(adapter)[1]:.3g}, worst optimizer state error {worst(optimizer)[1]:.3g}")
+    for what, errors in (("loss", losses), ("adapter tensor", adapter), ("optimizer state", optimizer)):
+        name, error = worst(errors)
+        scenario.assert_within(f"the resumed run's {what} differs from the uninterrupted run's ({name}): relative error", error, TOLERANCE)
