@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from stackcheck.harness.generate import PROMPT_IDS
+from stackcheck.harness.proof import require
 from stackcheck.harness.subject import UnderTest
 from stackcheck.models import tiny
 
@@ -184,9 +185,40 @@ def tensors_changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tens
     return [name for name, tensor in before.items() if not torch.equal(tensor, after[name])]
 
 
+class CheckpointingSeen:
+    """Whether each decoder layer ran with checkpointing on, read at its forward as transformers'
+    `GradientCheckpointingLayer` reads it (`gradient_checkpointing` and training mode)."""
+
+    def __init__(self, model):
+        from stackcheck.harness.place import decoder_layers
+
+        self.layers = list(decoder_layers(model))
+        self.checkpointed: dict[int, bool] = {}
+        self.handles = [layer.register_forward_pre_hook(self.record) for layer in self.layers]
+
+    def record(self, layer, args) -> None:
+        index = self.layers.index(layer)
+        self.checkpointed[index] = self.checkpointed.get(index, True) and bool(layer.gradient_checkpointing and layer.training)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def require_all(self) -> None:
+        self.remove()
+        off = [i for i in range(len(self.layers)) if not self.checkpointed.get(i, False)]
+        require(not off, f"decoder layers {off} of {len(self.layers)} ran without checkpointing (or not at all)")
+
+    def require_none(self) -> None:
+        self.remove()
+        on = [i for i, checkpointed in self.checkpointed.items() if checkpointed]
+        require(len(self.checkpointed) == len(self.layers) and not on,
+                f"decoder layers {on} of {len(self.layers)} ran with checkpointing (or some not at all)")
+
+
 def forward_runs(module: torch.nn.Module, run) -> int:
     """How often `module` ran its forward during `run()`. Hooked on a child of a checkpointed decoder layer (its
-    attention), it counts the recomputation too: 2 for a forward and backward with checkpointing, 1 without (the
+    attention), it counts the recomputation too: 2 for a forward and backward that recomputed the layer, 1 without (the
     layer's own hooks sit outside transformers' checkpoint wrapper and see the first pass only)."""
     calls = []
     handle = module.register_forward_hook(lambda *args: calls.append(1))
@@ -195,12 +227,6 @@ def forward_runs(module: torch.nn.Module, run) -> int:
     finally:
         handle.remove()
     return len(calls)
-
-
-def first_layer_attention(model) -> torch.nn.Module:
-    from stackcheck.harness.place import decoder_layers
-
-    return decoder_layers(model)[0].self_attn
 
 
 # bitsandbytes' AdamW family as QLoRA users pick it (the Trainer's `optim` names): the class, and the bits of its state.

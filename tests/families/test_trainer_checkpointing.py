@@ -65,26 +65,6 @@ def require_frozen_4bit_base(model) -> None:
     scenario.require(not trainable, f"{len(trainable)} 4-bit base weights require grad: {trainable[:3]}")
 
 
-class CheckpointingSeen:
-    """Whether each decoder layer ran with checkpointing on, read at its forward as transformers'
-    `GradientCheckpointingLayer` reads it (`gradient_checkpointing` and training mode)."""
-
-    def __init__(self, model):
-        self.layers = list(scenario.decoder_layers(model))
-        self.checkpointed: dict[int, bool] = {}
-        self.handles = [layer.register_forward_pre_hook(self.record) for layer in self.layers]
-
-    def record(self, layer, args) -> None:
-        index = self.layers.index(layer)
-        self.checkpointed[index] = self.checkpointed.get(index, True) and bool(layer.gradient_checkpointing and layer.training)
-
-    def require_all(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        off = [i for i in range(len(self.layers)) if not self.checkpointed.get(i, False)]
-        scenario.require(not off, f"decoder layers {off} of {len(self.layers)} ran without checkpointing (or not at all)")
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_trainer_with_gradient_checkpointing_trains_every_lora_weight(under_test, recipe, tmp_path):
     from peft import get_peft_model
@@ -107,7 +87,7 @@ def test_trainer_with_gradient_checkpointing_trains_every_lora_weight(under_test
         save_strategy="no", report_to="none", use_cpu=under_test.device.type == "cpu",
     )
     trainer = Trainer(model=model, args=args, train_dataset=training_dataset())
-    seen = CheckpointingSeen(model)
+    seen = scenario.CheckpointingSeen(model)
     try:
         trainer.train()
     finally:  # a step that fails without checkpointing on says nothing about this bug

@@ -33,8 +33,10 @@ zero by design and the first backward could not show that gradients reach A.
 Axes, covered by pairs with the architecture: checkpointing (off, reentrant, non_reentrant) x precision (bf16, fp16).
 
 Precondition proven: the base is NF4 with nested quant state; after `prepare_model_for_kbit_training` no floating
-parameter is left in half precision; checkpointing really recomputed the first decoder layer during backward (its
-attention ran twice in a forward and backward; once with checkpointing off).
+parameter is left in half precision; every decoder layer ran with checkpointing on (off for `off`), read at its forward
+as transformers' `GradientCheckpointingLayer` decides by. Whether the backward recomputed them is the property's
+business, not a precondition: a checkpointed layer the gradient never reaches is not recomputed, and that is the bug
+(the count for the last layer is printed: 2 with checkpointing, 1 without).
 
 Tolerance: 0.01 relative error per LoRA gradient, as `checkpointing_kv_sharing`. Measured (CPU): 0.0000 in every cell
 that has no known bug, on every architecture, seed and latest, bf16 and fp16 (the recomputation runs the same kernels
@@ -54,11 +56,12 @@ LEARNING_RATE = 1e-2
 MAX_SCALER_RETRIES = 17
 
 
-def measured_backward(model, mixed: scenario.MixedPrecision, optimizer, batch, attention) -> tuple[dict, int]:
+def measured_backward(model, mixed: scenario.MixedPrecision, optimizer, batch) -> tuple[dict, int]:
     """The user's backward: scaled in fp16, retried at a halved scale while the gradients are not finite (the scaler
-    skips those steps, so the weights do not change). The unscaled LoRA gradients, and how often the first decoder
-    layer's attention ran in the forward and backward that gave them."""
+    skips those steps, so the weights do not change). The unscaled LoRA gradients, and how often the last decoder
+    layer's attention ran in the forward and backward that gave them (2 where checkpointing recomputed it)."""
     lora = scenario.lora_parameters(model)
+    attention = scenario.decoder_layers(model)[-1].self_attn
     for _ in range(MAX_SCALER_RETRIES):
         optimizer.zero_grad()
         runs = scenario.forward_runs(attention, lambda: mixed.backward(mixed.loss(model, batch)))
@@ -103,14 +106,15 @@ def test_every_lora_tensor_gets_the_gradient_and_learns(under_test, checkpointin
     optimizer = torch.optim.AdamW(lora.values(), lr=LEARNING_RATE, weight_decay=0.0)
     batch = scenario.training_batch(under_test.device, model.config)
 
-    grads, runs = measured_backward(model, mixed, optimizer, batch, scenario.first_layer_attention(model))
-    expected_runs = 1 if use_reentrant is None else 2
-    scenario.require(runs == expected_runs, f"decoder layer 0's attention ran {runs} time(s) in a forward and backward "
-                                            f"with checkpointing {checkpointing} (expected {expected_runs})")
+    seen = scenario.CheckpointingSeen(model)
+    try:
+        grads, runs = measured_backward(model, mixed, optimizer, batch)
+    finally:  # checkpointing as asked, whatever the backward did
+        seen.require_none() if use_reentrant is None else seen.require_all()
 
     dead = scenario.without_gradient(grads)
     print(f"stackcheck measured: {len(lora) - len(dead)} of {len(lora)} LoRA tensors got a finite non-zero gradient "
-          f"(loss scale {mixed.scale})")
+          f"(loss scale {mixed.scale}; the last layer's attention ran {runs} time(s))")
     assert not dead, f"{len(dead)} of {len(lora)} LoRA tensors got no finite non-zero gradient: {dead[:3]}"
     if use_reentrant is not None:
         assert_checkpointing_keeps_gradients(reference_gradients(model, mixed, batch), grads)

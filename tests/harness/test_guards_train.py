@@ -1,0 +1,104 @@
+"""Guards of the train and checkpoint contract families: a deliberately broken library or fixture makes the REAL
+family test fail with the family's message (so none of them can pass on a version that has the bug class), and the
+known bug a family meets is filed under it by the ledger. They run on the tiny Llama 3, the cheapest architecture."""
+
+import importlib
+
+import pytest
+import torch
+
+from stackcheck import scenario
+from stackcheck.harness import checkpoint
+from stackcheck.ledger import KNOWN_BUG, Failure, Ledger
+from stackcheck.models import architectures
+from stackcheck.versions import installed_versions
+
+LLAMA3 = scenario.UnderTest(architectures.builtin()["llama3"], torch.device("cpu"))
+
+
+def contract(phase: str, name: str):
+    return importlib.import_module(f"tests.contract.{phase}.test_{name}")
+
+
+def test_lora_gradients_fail_when_reentrant_checkpointing_cuts_the_gradient(monkeypatch):
+    """The bug class of transformers#42489 and trl#3089: under reentrant checkpointing the gradient stops at the
+    checkpointed layers, so the LoRA of every layer but the last learns nothing. Reproduced by detaching each
+    checkpointed layer's hidden states on their way in (still requiring grad, as `enable_input_require_grads` makes
+    the first layer's)."""
+    from transformers import modeling_utils
+
+    original = modeling_utils.checkpoint
+
+    def detaching(function, hidden_states, *args, **kwargs):
+        return original(function, hidden_states.detach().requires_grad_(), *args, **kwargs)
+
+    monkeypatch.setattr(modeling_utils, "checkpoint", detaching)
+    with pytest.raises(AssertionError, match=r"4 of 8 LoRA tensors got no finite non-zero gradient"):
+        contract("train", "lora_gradients").test_every_lora_tensor_gets_the_gradient_and_learns(LLAMA3, "reentrant", torch.bfloat16)
+
+
+def test_lora_gradients_fail_when_get_peft_model_freezes_the_adapter(monkeypatch):
+    """The bug class of trl#4029 (a second prepare_model_for_kbit_training froze every LoRA tensor): fp16, with the
+    GradScaler in the loop."""
+    family = contract("train", "lora_gradients")
+    build = scenario.kbit_lora_model
+
+    def frozen(*args, **kwargs):
+        model = build(*args, **kwargs)
+        for param in scenario.lora_parameters(model).values():
+            param.requires_grad_(False)
+        return model
+
+    monkeypatch.setattr(scenario, "kbit_lora_model", frozen)
+    with pytest.raises(AssertionError, match="8 of 8 LoRA tensors got no finite non-zero gradient"):
+        family.test_every_lora_tensor_gets_the_gradient_and_learns(LLAMA3, "non_reentrant", torch.float16)
+
+
+def test_checkpointing_divergence_reads_as_the_known_gemma4_bug_in_the_contract_family():
+    """The family's divergence message, raised from its own frame, is what the ledger knows of Gemma 4's reentrant
+    checkpointing (in range on every set that has transformers >= 5.5.2)."""
+    family = contract("train", "lora_gradients")
+    reference = {"a": torch.ones(4), "b": torch.ones(4)}
+    with pytest.raises(AssertionError) as raised:
+        family.assert_checkpointing_keeps_gradients(reference, {"a": torch.ones(4), "b": torch.full((4,), 0.3)})
+    judgement = Ledger().judge("lora_gradients", "test_every_lora_tensor_gets_the_gradient_and_learns[cpu-gemma4-reentrant-bf16]",
+                               {"transformers": "5.23.0"}, Failure.from_exception(raised.value), model_type="gemma4")
+    assert (judgement.verdict, judgement.bug) == (KNOWN_BUG, "gemma4_reentrant_checkpointing_kv_sharing"), judgement
+
+
+def test_optimizers_fail_when_the_bnb_step_counter_does_not_advance(monkeypatch):
+    """A bitsandbytes optimizer whose state forgets its step (bias correction of step 1 at every step) drifts from
+    torch's AdamW past the 32-bit tolerance."""
+    import bitsandbytes as bnb
+    from packaging.version import Version
+
+    if Version(installed_versions()["bitsandbytes"]) < Version("0.50.0"):
+        pytest.skip("bitsandbytes < 0.50 has no CPU optimizer kernels (bnb_optimizers_cpu): the family cannot run here")
+    update_step = bnb.optim.optimizer.Optimizer2State.update_step
+
+    def forgetful(self, group, p, gindex, pindex):
+        self.state[p]["step"] = 0
+        return update_step(self, group, p, gindex, pindex)
+
+    monkeypatch.setattr(bnb.optim.optimizer.Optimizer2State, "update_step", forgetful)
+    with pytest.raises(AssertionError, match="bitsandbytes' paged_adamw_32bit drifts from torch's AdamW over 3 steps"):
+        contract("train", "optimizers_track_adamw").test_bnb_optimizer_tracks_torch_adamw(LLAMA3, "paged_adamw_32bit")
+
+
+def test_resume_fails_when_the_checkpoint_holds_a_fresh_optimizer_state(monkeypatch, tmp_path):
+    """The bug class of DeepSpeed PR #7786 (optimizer state neither saved nor loaded): the checkpoint's optimizer.pt
+    holds an optimizer that never stepped, so the fresh process resumes with Adam's moments at zero."""
+    from transformers import Trainer
+
+    family = contract("checkpoint", "trainer_resume")
+    monkeypatch.setattr(family, "CPU_CELLS", {("llama3", "adamw_torch")})
+    save = Trainer._save_optimizer_and_scheduler
+
+    def save_a_fresh_optimizer(self, output_dir):
+        save(self, output_dir)
+        fresh = self.optimizer.state_dict() | {"state": {}}  # its parameter groups, none of its moments
+        torch.save(fresh, f"{output_dir}/{checkpoint.CHECKPOINT_FILES['optimizer']}")
+
+    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", save_a_fresh_optimizer)
+    with pytest.raises(AssertionError, match="the resumed run began with an empty optimizer state: it was not loaded"):
+        family.test_resume_in_a_fresh_process_continues_the_run(LLAMA3, "adamw_torch", tmp_path)
