@@ -30,10 +30,12 @@ MAX_STEPS = 4
 SAVE_STEPS = 2  # the checkpoint a resume starts from: checkpoint-2
 LEARNING_RATE = 1e-2
 SEED = 42
-# Large enough for bitsandbytes to keep most LoRA tensors' optimizer state in 8 bits (tensors of 4096 elements and more:
-# rank 64 x hidden 128), so a run with an 8-bit optimizer saves and loads 8-bit state. Dropout makes the RNG state part
-# of what a resume restores; not on a mixture of experts, whose fused-expert LoRA (PEFT's ParamWrapper) refuses it.
-LORA = {"r": 64, "lora_alpha": 128, "lora_dropout": 0.1}
+# Dropout makes the RNG state part of what a resume restores; not on a mixture of experts, whose fused-expert LoRA
+# (PEFT's ParamWrapper) refuses it. With an 8-bit optimizer, rank 64: bitsandbytes keeps the state of tensors of 4096
+# elements and more in 8 bits (rank 64 x hidden 128), so the run saves and loads 8-bit state; rank 4 (the adapter
+# fixtures') otherwise, which is cheaper.
+LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.1}
+LORA_8BIT_STATE = {"r": 64, "lora_alpha": 128}
 # What the Trainer writes into a checkpoint of a PEFT model, and what a resume reads back.
 CHECKPOINT_FILES = {"adapter": "adapter_model.safetensors", "optimizer": "optimizer.pt", "scheduler": "scheduler.pt",
                     "RNG state": "rng_state.pth", "trainer state": "trainer_state.json"}
@@ -117,7 +119,7 @@ def qlora_trainer(under_test: UnderTest, output_dir: Path, optim: str):
 
     base = load_base_in(under_test, torch.bfloat16)
     first_nested_linear4bit(base)
-    lora = dict(LORA)
+    lora = LORA | (LORA_8BIT_STATE if "8bit" in optim else {})
     if "experts" in under_test.structures:  # PEFT's LoRA on fused experts (ParamWrapper) refuses dropout
         lora["lora_dropout"] = 0.0
     model = kbit_lora_model(under_test, base, use_reentrant=None, **lora)

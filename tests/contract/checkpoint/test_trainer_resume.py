@@ -19,15 +19,19 @@ a loss that jumps after a resume (unsloth#5037); and for bitsandbytes' 8-bit opt
 survive `state_dict`/`load_state_dict`.
 
 Axes, covered by pairs with the architecture: the Trainer's `optim` (`adamw_torch`; `paged_adamw_8bit`, the QLoRA
-paper's, whose state is 8-bit for the LoRA tensors of 4096 elements and more: LoRA rank 64 here). On the CPU lane, the
+paper's, whose state is 8-bit for the LoRA tensors of 4096 elements and more: LoRA rank 64 in its cells). On the CPU lane, the
 fresh process (about 10 s of imports and loading on 2 cores) runs on a pick of cells: CPU_CELLS.
 
 Precondition proven: the base is NF4 with nested quant state; the Trainer saved `checkpoint-2` at step 2 (its trainer
 state says so); with `paged_adamw_8bit`, the optimizer's state is 8-bit (uint8) for some LoRA tensors.
 
-Tolerance: 1e-6 relative error per tensor and per loss; on the CPU every cell measured 0.0 (bit-exact: the resumed
-process runs the same kernels on the same inputs), seed and latest: docs/contract-train-checkpoint.md. A resume that
-loses a part of the state is off by 1e-2 or more (guard tests: tests/harness/test_guards_train.py).
+Judged by: the relative error of each loss and of each optimizer state tensor, and for each LoRA tensor its distance
+from the uninterrupted run's against the distance that run moved it after the checkpoint; at most 1e-3 each, on both
+lanes (a GPU's atomics, in a mixture of experts' index_add say, may change the last bits; a resume that loses part of
+its state is off by a good part of a step). Measured on the CPU: 0.0 in every cell, seed and latest (bit-exact: the
+resumed process runs the same kernels on the same inputs; docs/contract-train-checkpoint.md). With one part of
+checkpoint-2 broken (tiny Llama 3, latest, adamw_torch), the worst LoRA tensor is off by 0.50 of its movement with
+another RNG state (step 3's loss by 3.6e-3), 0.67 with the scheduler back at step 0, 3.1 without optimizer.pt.
 """
 
 import pytest
@@ -37,7 +41,7 @@ from stackcheck import scenario
 from stackcheck.harness import checkpoint
 from stackcheck.models import architectures
 
-TOLERANCE = 1e-6
+TOLERANCE = 1e-3
 OPTIMS = {"adamw_torch": "adamw_torch", "paged_adamw_8bit": "paged_adamw_8bit"}
 # The CPU lane's cells (architecture, optim) among the built-in architectures: the fresh process costs seconds each.
 # An architecture that is not built in (a user's config.json) runs with torch's AdamW.
@@ -75,6 +79,14 @@ def state_errors(measured: dict, reference: dict) -> dict[str, float]:
     """Per tensor (or number) of an optimizer's state_dict: the relative error of `measured` against `reference`."""
     measured, reference = flat_state(measured), flat_state(reference)
     return {key: relative_error(measured[key], value) if key in measured else float("inf") for key, value in reference.items()}
+
+
+def movement_errors(resumed: dict, reference: dict, saved: dict) -> dict[str, float]:
+    """Per LoRA tensor: the distance of the resumed run's weights from the uninterrupted run's, against the distance
+    the uninterrupted run moved them after the checkpoint (a resume that loses part of the state is off by a good part
+    of that movement; two runs of the same kernels by none of it)."""
+    return {name: ((t.double() - reference[name].double()).norm() / ((reference[name].double() - saved[name].double()).norm() or 1.0)).item()
+            for name, t in resumed.items()}
 
 
 def worst(errors: dict[str, float]) -> tuple[str, float]:
@@ -116,10 +128,11 @@ def test_resume_in_a_fresh_process_continues_the_run(under_test, optim, tmp_path
     assert loaded and any(value.any() for value in loaded), "the resumed run began with an empty optimizer state: it was not loaded"
 
     losses = {f"step {s} loss": relative_error(resumed.losses[s], reference.losses[s]) for s in steps}
-    adapter = {n: relative_error(t, reference.adapters[checkpoint.MAX_STEPS][n]) for n, t in resumed.adapters[checkpoint.MAX_STEPS].items()}
+    adapter = movement_errors(resumed.adapters[checkpoint.MAX_STEPS], reference.adapters[checkpoint.MAX_STEPS],
+                              reference.adapters[checkpoint.SAVE_STEPS])
     optimizer = state_errors(resumed.end_optimizer, reference.end_optimizer)
     print(f"stackcheck measured: losses {[resumed.losses[s] for s in steps]} resumed, {[reference.losses[s] for s in steps]} uninterrupted; "
           f"worst adapter error {worst(adapter)[1]:.3g}, worst optimizer state error {worst(optimizer)[1]:.3g}")
-    for what, errors in (("loss", losses), ("adapter tensor", adapter), ("optimizer state", optimizer)):
+    for what, errors in (("loss", losses), ("adapter tensor (of its movement after the checkpoint)", adapter), ("optimizer state", optimizer)):
         name, error = worst(errors)
         scenario.assert_within(f"the resumed run's {what} differs from the uninterrupted run's ({name}): relative error", error, TOLERANCE)
