@@ -204,6 +204,11 @@ class CheckpointingSeen:
         for handle in self.handles:
             handle.remove()
 
+    def all(self) -> bool:
+        """Whether every layer ran checkpointed (the hooks removed)."""
+        self.remove()
+        return all(self.checkpointed.get(i, False) for i in range(len(self.layers)))
+
     def require_all(self) -> None:
         self.remove()
         off = [i for i in range(len(self.layers)) if not self.checkpointed.get(i, False)]

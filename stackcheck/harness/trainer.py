@@ -10,38 +10,12 @@ from pathlib import Path
 import torch
 
 from stackcheck.harness.load import first_nested_linear4bit, linear4bit_modules, load_base
-from stackcheck.harness.place import decoder_layers
 from stackcheck.harness.proof import require
 from stackcheck.harness.subject import UnderTest
-from stackcheck.harness.train import TRAINING_IDS, training_batch
+from stackcheck.harness.train import TRAINING_IDS, CheckpointingSeen, training_batch
 from stackcheck.models import tiny
 
 LORA_SEED = 0
-
-
-class CheckpointingSeen:
-    """Whether each decoder layer ran with checkpointing on, read at its forward as transformers'
-    `GradientCheckpointingLayer` reads it (`gradient_checkpointing` and training mode)."""
-
-    def __init__(self, model):
-        self.layers = list(decoder_layers(model))
-        self.checkpointed: dict[int, bool] = {}
-        self.handles = [layer.register_forward_pre_hook(self.record) for layer in self.layers]
-
-    def record(self, layer, args) -> None:
-        index = self.layers.index(layer)
-        self.checkpointed[index] = self.checkpointed.get(index, True) and bool(layer.gradient_checkpointing and layer.training)
-
-    def all(self) -> bool:
-        for handle in self.handles:
-            handle.remove()
-        return all(self.checkpointed.get(i, False) for i in range(len(self.layers)))
-
-    def require_all(self) -> None:
-        off = [i for i in range(len(self.layers)) if not self.checkpointed.get(i, False)]
-        for handle in self.handles:
-            handle.remove()
-        require(not off, f"decoder layers {off} of {len(self.layers)} ran without checkpointing (or not at all)")
 
 
 def lora_model(under_test: UnderTest, quantized: bool = True, checkpointing: bool | None = None, **lora):
