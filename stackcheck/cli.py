@@ -361,13 +361,23 @@ def run_bench(args) -> int:
     return 1 if failed else 0
 
 
+def check_with_pins(args) -> None:
+    """bisect and history build one environment per release with the --with pins: a pin the package index does not
+    have would make every probe an `error` and the answer "untestable"; it is a usage error before the first build."""
+    if args.overrides:
+        try:
+            envs.check_available([parse_pin(token).requirement() for token in args.overrides], args.find_links, args.no_index)
+        except envs.EnvBuildError as exc:
+            raise UsageError(f"--with {' '.join(args.overrides)}: {exc}") from None
+
+
 def run_versions(args) -> int:
     """Each set's pins. A --with pin is what the user typed: printed as given, checked against the package index
     with --check (a command that builds an environment checks it before running anything, exit 2 if it cannot)."""
     sets = _selected(args)
     pins = [parse_pin(token) for token in args.overrides] if args.overrides else []
-    if args.check and pins:
-        envs.check_available([pin.requirement() for pin in pins], args.find_links, args.no_index)
+    if args.check:
+        check_with_pins(args)
     for vset in sets:
         print(f"{vset.name}: " + ", ".join(f"{k} {v}" for k, v in vset.pins.items()))
     if pins and not args.check:
@@ -480,11 +490,14 @@ def _main(argv: list[str], parsed: list) -> int:
             for option, path in (("--output", args.output), ("--store", args.store)):
                 if path:
                     check_file_option(option, path)
+            check_with_pins(args)
             return bisect.run(args)
         if args.command == "history":
             for option, path in (("--output", args.output), ("--store", args.store)):
                 if path:
                     check_file_option(option, path)
+            if not args.render_only:
+                check_with_pins(args)
             return history.run(args)
         if args.command == "watch":
             check_folder_option("--output", args.output)

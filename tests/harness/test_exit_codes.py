@@ -238,3 +238,17 @@ def test_repro_exits_1_when_a_cell_is_not_reproduced(scripted, monkeypatch, tmp_
     results.record_cells(path, [Cell("seed", FAMILY, TEST.replace("[cpu-", "[gpu-"), "gpu", "known_bug", bug=FAMILY)])
     assert cli.main(["repro", "--from", str(path), "--output", str(tmp_path / "repro")]) == 1
     assert "0 of 1 cells reproduced" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [
+    ["bisect", "accelerate", "--good", "1.15.0", "--bad", "1.13.0", "--family", FAMILY, "--candidates", "1.13.0,1.15.0"],
+    ["history", "accelerate", "--from", "1.13.0", "--to", "1.15.0", "--candidates", "1.13.0,1.15.0", "--families", FAMILY],
+])
+def test_bisect_and_history_refuse_a_pin_the_index_lacks_before_any_probe(command, tmp_path, monkeypatch, capsys):
+    """Every probe would be an `error` and the answer "untestable" (exit 1): the pin is the user's mistake (exit 2)."""
+    monkeypatch.setattr(envs, "build", lambda *args, **kwargs: pytest.fail("built an environment"))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    argv = [*command, "--with", "peft==9.9.9", "--no-index", "--find-links", str(wheels), "--store", str(tmp_path / "p.json"),
+            "--output", str(tmp_path / "out.json")]
+    assert one_usage_line(cli.main(argv), capsys).startswith("stackcheck: --with peft==9.9.9: ")
