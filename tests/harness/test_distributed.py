@@ -20,7 +20,10 @@ from stackcheck.distributed.outcome import RankOutcome, RankState, combine, judg
 from stackcheck.ledger import ERROR, FIXED, KNOWN_BUG, NEW_FAILURE, PASS, Failure, Judgement
 
 HERE = "tests.harness.test_distributed"
-HANG_TIMEOUT = 20.0
+# The hung rank must have started (its stacks are asked of it) and rank 0 finished before the launcher's timeout, which
+# runs from the launch: rank 0's outcome came 8 to 12 s after the launch on 2 cores under a load of 8 to 10, and not
+# within 20 s under a load of 17 (rank 0 read `hung`).
+HANG_TIMEOUT = 60.0
 
 
 def this_rank() -> int:
@@ -64,8 +67,9 @@ def rank_one_raises(job: str) -> dict:
     return {}
 
 
-def rank_one_hangs() -> dict:
+def rank_one_hangs(job: str) -> dict:
     if this_rank() == 1:
+        after_rank_zero(job)
         while True:
             time.sleep(0.1)
     return {}
@@ -169,7 +173,7 @@ def test_lost_peers_alone_keep_their_failures():
 
 def test_a_hung_rank_is_an_error_with_its_stacks_and_every_process_is_reaped(tmp_path):
     started = time.monotonic()
-    outcomes = launcher.launch(f"{HERE}:rank_one_hangs", tmp_path / "job", timeout=HANG_TIMEOUT)
+    outcomes = launcher.launch(f"{HERE}:rank_one_hangs", tmp_path / "job", timeout=HANG_TIMEOUT, kwargs=job_of(tmp_path))
     assert time.monotonic() - started < HANG_TIMEOUT + 10
     assert outcomes[0].state == RankState.PASSED
     hung = outcomes[1]
