@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from stackcheck import REPO_ROOT, plugin, scenario
+from stackcheck.harness import place
 from stackcheck.models import tiny
 from stackcheck.scenario import ScenarioNotReached
 
@@ -114,6 +115,7 @@ def test_skip_list_reading_matches_what_users_mean():
 def test_redispatch_guards_fire_on_a_base_peft_does_not_redispatch(monkeypatch, tmp_path):
     placement = family("peft_redispatch_placement")
     monkeypatch.setattr(scenario, "split_base", lambda under_test, offload_dir, quantized: scenario.load_base(under_test, quantized=quantized))
+    monkeypatch.setattr(place, "split_base", scenario.split_base)  # towers_offloaded_base calls it inside harness.place
     with pytest.raises(ScenarioNotReached, match="sits in one place"):
         placement.redispatched_by_peft(GEMMA4, False, tmp_path)
     monkeypatch.setattr(placement, "placement", lambda model: {"w": "offloaded", "v": "cpu"})
@@ -123,6 +125,7 @@ def test_redispatch_guards_fire_on_a_base_peft_does_not_redispatch(monkeypatch, 
 
 def test_towers_offload_guard_fires_when_the_towers_stay_loaded(monkeypatch, tmp_path):
     monkeypatch.setattr(scenario, "dispatch_with_offload", lambda under_test, model, offload_dir, *modules: model)
+    monkeypatch.setattr(place, "dispatch_with_offload", scenario.dispatch_with_offload)
     with pytest.raises(ScenarioNotReached, match="did not offload the towers"):
         scenario.towers_offloaded_base(GEMMA4, tmp_path)
 
