@@ -91,7 +91,6 @@ def test_resume_fails_when_the_checkpoint_holds_a_fresh_optimizer_state(monkeypa
     from transformers import Trainer
 
     family = contract("checkpoint", "trainer_resume")
-    monkeypatch.setattr(family, "CPU_CELLS", {("llama3", "adamw_torch")})
     save = Trainer._save_optimizer_and_scheduler
 
     def save_a_fresh_optimizer(self, output_dir):
