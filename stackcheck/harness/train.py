@@ -158,6 +158,12 @@ def lora_parameters(model) -> dict[str, torch.nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if "lora_" in name}
 
 
+def lora_reached_by_text(model) -> dict[str, torch.nn.Parameter]:
+    """The LoRA parameters a text batch can train: not those PEFT's default targets put inside an image model's
+    vision or audio tower (Gemma 3's SigLIP q/k/v), which a text batch never runs."""
+    return {name: p for name, p in lora_parameters(model).items() if not any(tower in name for tower in ("vision_tower", "audio_tower"))}
+
+
 def gradient_copies(parameters: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor | None]:
     """Copies of the gradients of `parameters` in fp32 (None where there is none)."""
     return {name: None if p.grad is None else p.grad.detach().float().clone() for name, p in parameters.items()}

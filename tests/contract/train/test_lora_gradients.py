@@ -27,6 +27,9 @@ LoRA weights left in half precision that fp16's GradScaler refuses ("Attempting 
 upcast that leaves the base trainable; a frozen adapter (trl#4029, PR #4081: a second `prepare_model_for_kbit_training`
 froze the LoRA, grad_norm 0; unsloth#9331: targeted tensors never get a gradient).
 
+The LoRA tensors are those the text batch reaches (`scenario.lora_reached_by_text`): PEFT's default targets on an image
+model (Gemma 3 with its SigLIP tower) also wrap the tower's projections, which a text batch never runs.
+
 The LoRA weights are non-zero (`init_lora_weights=False`, seeded): with PEFT's default zero B, A's first gradient is
 zero by design and the first backward could not show that gradients reach A.
 
@@ -61,7 +64,7 @@ def measured_backward(model, mixed: scenario.MixedPrecision, optimizer, batch) -
     """The user's backward: scaled in fp16, retried at a halved scale while the gradients are not finite (the scaler
     skips those steps, so the weights do not change). The unscaled LoRA gradients, and how often the last decoder
     layer's attention ran in the forward and backward that gave them (2 where checkpointing recomputed it)."""
-    lora = scenario.lora_parameters(model)
+    lora = scenario.lora_reached_by_text(model)
     attention = scenario.decoder_layers(model)[-1].self_attn
     for _ in range(MAX_SCALER_RETRIES):
         optimizer.zero_grad()
@@ -77,7 +80,7 @@ def measured_backward(model, mixed: scenario.MixedPrecision, optimizer, batch) -
 def reference_gradients(model, mixed: scenario.MixedPrecision, batch) -> dict[str, torch.Tensor | None]:
     """The LoRA gradients of the same weights and batch with checkpointing off (at the measured loss scale), through
     `torch.autograd.grad`, which leaves the measured `.grad` for the step."""
-    lora = scenario.lora_parameters(model)
+    lora = scenario.lora_reached_by_text(model)
     model.gradient_checkpointing_disable()
     scale = mixed.scale
     grads = torch.autograd.grad(mixed.loss(model, batch) * scale, list(lora.values()), allow_unused=True)
@@ -99,7 +102,7 @@ def test_every_lora_tensor_gets_the_gradient_and_learns(under_test, checkpointin
     model = scenario.kbit_lora_model(under_test, base, use_reentrant, init_lora_weights=False)
     half = scenario.half_precision_parameters(model)
     scenario.require(not half, f"prepare_model_for_kbit_training left {len(half)} parameters in half precision: {half[:3]}")
-    lora = scenario.lora_parameters(model)
+    lora = scenario.lora_reached_by_text(model)
     scenario.require(lora, "get_peft_model added no LoRA tensor")
     frozen = scenario.frozen_state(model)
     start = {name: p.detach().clone() for name, p in lora.items()}

@@ -8,7 +8,9 @@ The property: from the same LoRA weights (PEFT's default initialisation, seeded)
 STEPS steps of `bnb.optim.AdamW8bit`, `PagedAdamW8bit` or `PagedAdamW` (32-bit) with torch's hyperparameters (lr 1e-3,
 betas (0.9, 0.999), eps 1e-8, decoupled weight decay 0.01) leave every LoRA tensor where torch's `AdamW` leaves it,
 within the state's precision: per LoRA tensor, ||bnb - torch|| / ||torch - start|| (the error against the way the
-tensor moved) at most TOLERANCE[bits]. The loss trajectories are printed beside it.
+tensor moved) at most TOLERANCE[bits], over the elements an 8-bit state represents for the 8-bit optimizers (below).
+The LoRA tensors are those the text batch reaches (`scenario.lora_reached_by_text`). The loss trajectories are printed
+beside it.
 
 Bugs of this shape it catches: an update rule that is not AdamW's (weight decay coupled instead of decoupled,
 bitsandbytes PR #1993 for Lion; eps or bias correction placed differently), a state that is not updated or not
@@ -28,12 +30,21 @@ step, turns the tiny model's small gradients' noise into visible steps. Measured
 PagedAdamW (32-bit) against torch's AdamW 9.2e-2 in bf16, 4.8e-5 in fp32, while torch's own for-loop and foreach
 AdamW agree to the bit in both.
 
-Tolerance, measured (CPU, latest; seed's bitsandbytes 0.49.2 has no CPU optimizer, its known bugs), worst LoRA tensor
-after 3 steps, per architecture in docs/contract-train-checkpoint.md: PagedAdamW (32-bit) 1.1e-6 (Llama 3, Qwen3) to
-4.8e-5 (Gemma 4); AdamW8bit and PagedAdamW8bit (identical on the CPU, which does not page) 0.016 (Qwen3) to 0.090
-(Gemma 4): blockwise dynamic 8-bit state, where an element small against its block's largest is coarsely quantized and
-Adam gives it a full step anyway. TOLERANCE: 1e-3 for 32 bits, 0.25 for 8 bits. A bitsandbytes step counter that does
-not advance (the guard) measures 0.45.
+What an 8-bit state represents: bitsandbytes quantizes Adam's moments blockwise (256 elements, one absmax each) on a
+dynamic 8-bit map, whose precision falls with the distance below the block's largest; an element whose gradient is
+orders of magnitude below its block's largest is quantized coarsely, and Adam, which normalizes each element's step,
+still gives it a full step. So the 8-bit optimizers are judged on the elements whose gradient scale (the square root of
+torch's second moment) is within DYNAMIC_RANGE (100) of the largest of their tensor; the error over every element is
+printed beside it. Measured: Qwen3-Next's in_proj_ba LoRA B (8 x 4, one block) has rows whose gradients span 1.3e-7 to
+5.2e-3; torch gives every row a step of about 3e-3, 8-bit AdamW the rows of gradients 1.3e-7 and 1.1e-6 about 1e-3:
+0.33 over every element, 0.013 over the represented ones.
+
+Tolerance, measured (CPU, latest; seed's libraries with bitsandbytes 0.50.0 give the same numbers on Llama 3 and
+Gemma 4; seed's bitsandbytes 0.49.2 has no CPU optimizer, its known bugs), worst LoRA tensor after 3 steps, per architecture in
+docs/contract-train-checkpoint.md: PagedAdamW (32-bit) 1.1e-6 (Llama 3, Qwen3) to 1.7e-4 (multimodal Gemma 3), every
+element; AdamW8bit and PagedAdamW8bit (identical on the CPU, which does not page) 0.0086 (Qwen3) to 0.017 (Gemma 4,
+multimodal Gemma 3) over the represented elements (0.016 to 0.33 over every element). TOLERANCE: 1e-3 for 32 bits, 0.1
+for 8 bits. A bitsandbytes step counter that does not advance (the guard) measures 0.45.
 """
 
 import functools
@@ -45,7 +56,9 @@ from stackcheck import scenario
 
 STEPS = 3
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
-TOLERANCE = {32: 1e-3, 8: 0.25}
+TOLERANCE = {32: 1e-3, 8: 0.1}
+# How far below its tensor's largest an element's gradient scale may be for an 8-bit state to represent it.
+DYNAMIC_RANGE = 100.0
 # bitsandbytes' default compute dtype: see the module's docstring for why not bf16.
 COMPUTE_DTYPE = torch.float32
 
@@ -60,10 +73,11 @@ class Run:
         base = scenario.load_base_in(under_test, COMPUTE_DTYPE)
         scenario.first_nested_linear4bit(base)
         self.model = scenario.kbit_lora_model(under_test, base, use_reentrant=None)
-        self.lora = scenario.lora_parameters(self.model)
+        self.lora = scenario.lora_reached_by_text(self.model)
         self.start = {name: p.detach().clone() for name, p in self.lora.items()}
         self.reference: dict[str, torch.Tensor] = {}
         self.reference_losses: list[float] = []
+        self.represented: dict[str, torch.Tensor] = {}
 
     def train(self, make_optimizer):
         """STEPS steps from the starting weights: the LoRA weights after them, the losses, the optimizer."""
@@ -77,7 +91,13 @@ class Run:
 
     def torch_adamw(self) -> None:
         if not self.reference:
-            self.reference, self.reference_losses, _ = self.train(lambda params: torch.optim.AdamW(params, **ADAMW))
+            self.reference, self.reference_losses, optimizer = self.train(lambda params: torch.optim.AdamW(params, **ADAMW))
+            # The elements an 8-bit blockwise state represents to within its precision: those whose gradient scale
+            # (the square root of AdamW's second moment) is within DYNAMIC_RANGE of the largest in their tensor, so
+            # within it of their block's largest too.
+            for name, p in self.lora.items():
+                scale = optimizer.state[p]["exp_avg_sq"].sqrt()
+                self.represented[name] = scale >= scale.max() / DYNAMIC_RANGE
         still = [name for name, p in self.reference.items() if torch.equal(p, self.start[name])]
         scenario.require(not still, f"torch's AdamW did not move {len(still)} of {len(self.lora)} LoRA tensors")
 
@@ -87,10 +107,15 @@ def torch_adamw_run(under_test) -> Run:
     return Run(under_test)
 
 
-def update_errors(run: Run, weights: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per LoRA tensor: the distance from torch's weights, against the distance torch's AdamW moved it."""
-    return {name: ((weights[name] - run.reference[name]).float().norm() / (run.reference[name] - run.start[name]).float().norm()).item()
-            for name in run.lora}
+def update_errors(run: Run, weights: dict[str, torch.Tensor], represented: bool = False) -> dict[str, float]:
+    """Per LoRA tensor: the distance from torch's weights, against the distance torch's AdamW moved it; over the
+    elements an 8-bit state represents (`represented`) or all of them."""
+    errors = {}
+    for name in run.lora:
+        mask = run.represented[name] if represented else torch.ones_like(run.start[name], dtype=torch.bool)
+        error, moved = (weights[name] - run.reference[name])[mask], (run.reference[name] - run.start[name])[mask]
+        errors[name] = (error.float().norm() / moved.float().norm()).item()
+    return errors
 
 
 @pytest.mark.axes(optimizer={name: name for name in scenario.BNB_ADAMW})
@@ -104,9 +129,11 @@ def test_bnb_optimizer_tracks_torch_adamw(under_test, optimizer):
     dtypes = scenario.state_dtypes(bnb_optimizer, run.lora)
     other = {name: dtype for name, dtype in dtypes.items() if dtype != expected}
     scenario.require(not other, f"{optimizer} holds no {bits}-bit state for {len(other)} of {len(dtypes)} LoRA tensors: {list(other.items())[:3]}")
-    errors = update_errors(run, weights)
-    name = max(errors, key=errors.get)
-    print(f"stackcheck measured: worst relative error {errors[name]:.2e} ({name}); losses {[round(x, 5) for x in losses]}, "
-          f"torch's AdamW {[round(x, 5) for x in run.reference_losses]}")
-    scenario.assert_within(f"bitsandbytes' {optimizer} drifts from torch's AdamW over {STEPS} steps: worst LoRA tensor's relative error",
-                           max(errors.values()), TOLERANCE[bits])
+    every = update_errors(run, weights)
+    errors = update_errors(run, weights, represented=bits == 8)
+    name, whole = max(errors, key=errors.get), max(every, key=every.get)
+    print(f"stackcheck measured: worst relative error {errors[name]:.2e} ({name}); over every element {every[whole]:.2e} ({whole}); "
+          f"losses {[round(x, 5) for x in losses]}, torch's AdamW {[round(x, 5) for x in run.reference_losses]}")
+    judged = "represented elements" if bits == 8 else "elements"
+    scenario.assert_within(f"bitsandbytes' {optimizer} drifts from torch's AdamW over {STEPS} steps: worst LoRA tensor's relative error "
+                           f"(its {judged})", errors[name], TOLERANCE[bits])
