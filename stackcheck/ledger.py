@@ -358,9 +358,10 @@ class Ledger:
     def lives_on(self, bug: Bug, model_type: str, structures: frozenset[str]) -> bool:
         """Whether `bug` can show on an architecture of `model_type` with `structures`: it is not tied to other
         model types, and one of the families that list it can run there (its module needs no structure the
-        architecture lacks)."""
+        architecture lacks). A bug no family lists (known wherever it fires, found by a contract family) lives on
+        every architecture its own `architectures` allows."""
         families = [family for family in self.families.values() if any(b.id == bug.id for b, _ in family.bugs)]
-        return bug.lives_on(model_type) and any(family_needs(family.id) <= structures for family in families)
+        return bug.lives_on(model_type) and (not families or any(family_needs(family.id) <= structures for family in families))
 
     def judge(self, family: str, test_name: str, versions: dict[str, str], failure: Failure | None,
               model_type: str | None = None) -> Judgement:

@@ -169,7 +169,7 @@ def gradient_copies(parameters: dict[str, torch.nn.Parameter]) -> dict[str, torc
     return {name: None if p.grad is None else p.grad.detach().float().clone() for name, p in parameters.items()}
 
 
-def without_gradient(grads: dict[str, torch.Tensor | None]) -> list[str]:
+def grads_missing(grads: dict[str, torch.Tensor | None]) -> list[str]:
     """The tensors whose gradient is missing, not finite, or zero everywhere."""
     return [name for name, g in grads.items() if g is None or not torch.isfinite(g).all() or not g.any()]
 

@@ -128,29 +128,29 @@ def _quote(word: str) -> str:
 def grid_model(matrix: dict, ledger: Ledger) -> dict:
     """The grid: columns (set, lane), rows (family, arch), and per grid square its cells, worst verdict and counts."""
     cells = matrix["cells"]
-    sets = set_order(matrix["sets"] or {c["set"] for c in cells})
-    lanes = [lane for lane in results.LANES if any(c["lane"] == lane for c in cells)]
-    columns = [(name, lane) for name in sets for lane in lanes if any(c["set"] == name and c["lane"] == lane for c in cells)]
-    families = [f for f in ledger.families if any(c["family"] == f for c in cells)]
-    families += sorted({c["family"] for c in cells} - set(families))
-    archs = list(dict.fromkeys(c.get("arch") for c in cells))
-    rows = [(family, arch) for family in families for arch in archs if any(c["family"] == family and c.get("arch") == arch for c in cells)]
+    sets = set_order(matrix["sets"] or {c.set_name for c in cells})
+    lanes = [lane for lane in results.LANES if any(c.lane == lane for c in cells)]
+    columns = [(name, lane) for name in sets for lane in lanes if any(c.set_name == name and c.lane == lane for c in cells)]
+    families = [f for f in ledger.families if any(c.family == f for c in cells)]
+    families += sorted({c.family for c in cells} - set(families))
+    archs = list(dict.fromkeys(c.arch for c in cells))
+    rows = [(family, arch) for family in families for arch in archs if any(c.family == family and c.arch == arch for c in cells)]
     squares: dict[tuple, dict] = {}
     for cell in cells:
-        key = (cell["family"], cell.get("arch"), cell["set"], cell["lane"])
+        key = (cell.family, cell.arch, cell.set_name, cell.lane)
         squares.setdefault(key, {"cells": []})["cells"].append(cell)
     for index, (key, square) in enumerate(sorted(squares.items(), key=lambda item: (rows.index(item[0][:2]), columns.index(item[0][2:])))):
-        mine = sorted(square["cells"], key=lambda c: (SEVERITY.index(c["verdict"]), c["test"]))
+        mine = sorted(square["cells"], key=lambda c: (SEVERITY.index(c.verdict), c.test))
         square["cells"] = mine
-        square["verdict"] = results.worst([c["verdict"] for c in mine])
-        square["counts"] = {v: sum(c["verdict"] == v for c in mine) for v in SEVERITY if any(c["verdict"] == v for c in mine)}
-        square["bugs"] = sorted({c["bug"] for c in mine if c.get("bug")})
+        square["verdict"] = results.worst([c.verdict for c in mine])
+        square["counts"] = {v: sum(c.verdict == v for c in mine) for v in SEVERITY if any(c.verdict == v for c in mine)}
+        square["bugs"] = sorted({c.bug for c in mine if c.bug})
         square["id"] = f"g-{index}"
     set_versions = {}
     for name in sets:
         entry = matrix["sets"].get(name, {})
         set_versions[name] = {package: entry[package] for package in PACKAGES if isinstance(entry.get(package), str)}
-    set_counts = {name: {v: n for v in SEVERITY if (n := sum(c["verdict"] == v for c in cells if c["set"] == name))} for name in sets}
+    set_counts = {name: {v: n for v in SEVERITY if (n := sum(c.verdict == v for c in cells if c.set_name == name))} for name in sets}
     return {"sets": sets, "columns": columns, "set_counts": set_counts, "rows": rows, "squares": squares, "versions": set_versions,
             "device": {name: matrix["sets"].get(name, {}).get("device", "") for name in sets}}
 

@@ -26,11 +26,11 @@ def sample():
 
 def test_the_grid_has_one_square_per_family_arch_set_and_lane_with_every_cell(sample):
     grid = report.grid_model(sample, Ledger())
-    keys = {(c["family"], c.get("arch"), c["set"], c["lane"]) for c in sample["cells"]}
+    keys = {(c.family, c.arch, c.set_name, c.lane) for c in sample["cells"]}
     assert set(grid["squares"]) == keys
     assert sum(len(square["cells"]) for square in grid["squares"].values()) == len(sample["cells"])
     for square in grid["squares"].values():
-        assert square["verdict"] == min((c["verdict"] for c in square["cells"]), key=SEVERITY.index)
+        assert square["verdict"] == min((c.verdict for c in square["cells"]), key=SEVERITY.index)
         assert sum(square["counts"].values()) == len(square["cells"])
     assert grid["sets"] == ["seed", "latest"]  # sets.toml's order
 

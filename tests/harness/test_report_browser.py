@@ -136,7 +136,7 @@ def test_every_link_on_the_page_lands_on_its_anchor(page, grid):
     assert page.evaluate("location.hash") == f"#{square['id']}"
     target = page.locator(f"#{square['id']}")
     assert target.is_visible() and key[0] in target.inner_text() and page.evaluate("document.querySelector(':target').id") == square["id"]
-    bug = next(c["bug"] for c in square["cells"] if c["verdict"] == "known_bug")
+    bug = next(c.bug for c in square["cells"] if c.verdict == "known_bug")
     target.locator(f'a.ledger[href="#bug-{bug}"]').first.click()
     assert page.evaluate("location.hash") == f"#bug-{bug}" and page.locator(f"#bug-{bug}").is_visible()
     assert bug in page.inner_text(f"#bug-{bug} h4")
@@ -147,12 +147,12 @@ def test_a_cell_links_to_its_upstream_bug_and_its_repro_command(page, grid):
     for square in grid["squares"].values():
         block = page.locator(f"#{square['id']}")
         for cell in square["cells"]:
-            name = cell["test"].split("::", 1)[-1]
+            name = cell.test.split("::", 1)[-1]
             item = block.locator("li.test", has=page.locator(f"code:text-is('{name}')"))
-            if cell.get("bug") in ledger.bugs:
-                assert item.locator("a.upstream").get_attribute("href") == ledger.bugs[cell["bug"]].links[0]
-            if cell["verdict"] in ("known_bug", "new_failure", "error", "fixed"):
-                assert item.locator(".repro code").inner_text() == report.repro_command(cell["set"], cell["test"])
+            if cell.bug in ledger.bugs:
+                assert item.locator("a.upstream").get_attribute("href") == ledger.bugs[cell.bug].links[0]
+            if cell.verdict in ("known_bug", "new_failure", "error", "fixed"):
+                assert item.locator(".repro code").inner_text() == report.repro_command(cell.set_name, cell.test)
 
 
 def test_a_link_to_a_square_the_filters_hide_shows_it(page, grid):
