@@ -396,7 +396,9 @@ def rows_span_blocks(module, quantization: Quantization) -> bool:
 
 # The user's skip list, as an axis of the load contract: transformers' defaults (no list), or the user's own list,
 # naming the first decoder layer's attention by its full path and the output head (a user's list replaces
-# transformers' defaults, so it must name the head again: `skip_modules_drop_default_skips`).
+# transformers' defaults, so it must name the head again: `skip_modules_drop_default_skips`). In a hybrid model the
+# list also names the first attention of every other kind, so that each kind is skipped once (Qwen3-Next: the first
+# layer's Gated DeltaNet `linear_attn` and the first full-attention layer's `self_attn`).
 SKIPS = {"defaults": False, "attention0": True}
 
 
@@ -404,11 +406,11 @@ def skip_list(under_test: UnderTest, skip: bool) -> list[str] | None:
     """The `llm_int8_skip_modules` of a `SKIPS` value, read off the model's structure (built on meta)."""
     if not skip:
         return None
-    from stackcheck.harness.place import decoder_layers, module_name
+    from stackcheck.harness.place import first_attention_of_each_kind, module_name
 
     with torch.device("meta"):
         skeleton = tiny.model_class(under_test.arch)(tiny.tiny_config(under_test.arch))
-    return [module_name(skeleton, skeleton.get_output_embeddings()), module_name(skeleton, decoder_layers(skeleton)[0].self_attn)]
+    return [module_name(skeleton, skeleton.get_output_embeddings()), *first_attention_of_each_kind(skeleton)]
 
 
 # --- Placement by transformers' own device_map="auto" (the load contract) -------------------------------------------

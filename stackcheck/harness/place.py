@@ -3,6 +3,7 @@ offload to CPU or disk, a memory budget), and proving what was offloaded."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -45,6 +46,30 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 def module_name(model, module: torch.nn.Module) -> str:
     return next(name for name, m in model.named_modules() if m is module)
+
+
+# A decoder layer's attention, by the name transformers gives it: `self_attn` (softmax attention), `linear_attn`
+# (Qwen3-Next's Gated DeltaNet layers, which have no `self_attn`), or any other `*_attn` / `*attention` child.
+_ATTENTION_NAME = re.compile(r"(^|_)attn$|attention$")
+
+
+def layer_attention(layer: torch.nn.Module) -> torch.nn.Module:
+    """The one attention of a decoder layer, whatever its kind (softmax or linear); errors when the layer has none or
+    several, so that a harness reading "the layer's attention" never silently picks the wrong module."""
+    found = [module for name, module in layer.named_children() if _ATTENTION_NAME.search(name)]
+    require(len(found) == 1, f"a {type(layer).__name__} holds {len(found)} attention modules, not one "
+                             f"(children: {', '.join(name for name, _ in layer.named_children())})")
+    return found[0]
+
+
+def first_attention_of_each_kind(model) -> list[str]:
+    """The full names of the first decoder layer's attention and, in a hybrid model, of the first attention of every
+    other kind (Qwen3-Next: `model.layers.0.linear_attn` and `model.layers.3.self_attn`), in layer order."""
+    first: dict[type, str] = {}
+    for layer in decoder_layers(model):
+        attention = layer_attention(layer)
+        first.setdefault(type(attention), module_name(model, attention))
+    return list(first.values())
 
 
 def last_layer_4bit_block(model) -> str:

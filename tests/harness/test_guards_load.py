@@ -113,3 +113,17 @@ def test_auto_device_map_fails_when_module_sizes_are_undercounted(monkeypatch, t
     monkeypatch.setattr(hf_accelerate, "compute_module_sizes", halved)
     with pytest.raises(ToleranceExceeded, match=r"^device_map='auto' places more on cpu than max_memory allows: bytes placed / budget"):
         family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, NF4, 0.9, tmp_path / "offload", prompt)
+
+
+def test_skip_list_names_every_attention_kind_of_a_hybrid_model():
+    """Qwen3-Next's Gated DeltaNet layers have `linear_attn`, no `self_attn`: the user's list names the first attention
+    of each kind, and a layer whose attention cannot be told apart is an unreached scenario, never a guess."""
+    qwen3next = scenario.UnderTest(architectures.builtin()["qwen3next"], torch.device("cpu"))
+    assert load.skip_list(qwen3next, True) == ["lm_head", "model.layers.0.linear_attn", "model.layers.3.self_attn"]
+    assert load.skip_list(LLAMA3, True) == ["lm_head", "model.layers.0.self_attn"]
+    from stackcheck.harness.place import layer_attention
+
+    layer = torch.nn.Module()
+    layer.mlp = torch.nn.Linear(2, 2)
+    with pytest.raises(scenario.ScenarioNotReached, match="holds 0 attention modules"):
+        layer_attention(layer)

@@ -13,7 +13,8 @@ This generalises the `quantized_experts` family (fused experts, one layer kind) 
 quantization an axis, covered by pairs with the architecture (`stackcheck.harness.axes`): NF4 and FP4, double quant
 on and off (LLM.int8 has none: its cells load as without it), the model's dtype which is also the compute dtype
 (bf16, fp16, fp32), 8-bit beside 4-bit, and the skip list (transformers' defaults, or the user's own list naming
-the first decoder layer's attention, and the head, which a user's list must repeat: `skip_modules_drop_default_skips`).
+the first decoder layer's attention, and the head, which a user's list must repeat: `skip_modules_drop_default_skips`;
+in a hybrid model the first attention of each kind: Qwen3-Next's `layers.0.linear_attn` and `layers.3.self_attn`).
 
 Bugs of this kind (upstream): fused experts left in bf16 under load_in_4bit (bitsandbytes#1849, transformers 5;
 ledger `bnb_fused_experts_unquantized`); `load_in_8bit` with a skip list naming inner projections
