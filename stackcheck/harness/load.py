@@ -274,15 +274,40 @@ def require_reference_is_checkpoint(arch, model) -> None:
     compared, differing = 0, []
     for file in sorted(tiny.base_checkpoint(arch).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                if key in state:
-                    compared += 1
-                    if not torch.equal(handle.get_tensor(key), state[key].cpu()):
-                        differing.append(key)
+            for key, name in checkpoint_names(model, handle.keys()).items():
+                compared += 1
+                if not torch.equal(handle.get_tensor(key), state[name].cpu()):
+                    differing.append(key)
     require(compared, f"the tiny {arch.name} checkpoint stores no tensor under the model's own names")
     require(not differing, f"the seeded {arch.name} model is not the tiny checkpoint ({len(differing)} of {compared} tensors differ, "
                            f"first {differing[:1]}): rebuild the fixture")
     _CHECKPOINTS_PROVEN.add(arch)
+
+
+def checkpoint_names(model, keys) -> dict[str, str]:
+    """The model's own name of each checkpoint key that `from_pretrained` loads as it is stored, renamed the way
+    transformers renames it (its conversion mapping: Gemma 3 multimodal's checkpoints spell `language_model.model.*`
+    what the model calls `model.language_model.*`); the keys a converter rewrites (per-expert weights fused into one
+    parameter) are left out, their tensors being no longer the stored ones. Transformers 4 has no conversion mapping:
+    there a key counts only under its stored name."""
+    state = model.state_dict()
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return {key: key for key in keys if key in state}
+    mapping = get_model_conversion_mapping(model)
+    renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    names = {}
+    for key in keys:
+        # As `convert_and_load_state_dict_in_model` renames: every renaming, at most one converter, the base prefix.
+        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+        if name not in state and key in state:
+            name, converted = key, None
+        if converted is None and name in state:
+            names[key] = name
+    return names
 
 
 def quant_state_faults(module, quantization: Quantization) -> list[str]:

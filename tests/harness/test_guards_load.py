@@ -127,3 +127,19 @@ def test_skip_list_names_every_attention_kind_of_a_hybrid_model():
     layer.mlp = torch.nn.Linear(2, 2)
     with pytest.raises(scenario.ScenarioNotReached, match="holds 0 attention modules"):
         layer_attention(layer)
+
+
+def test_reference_proof_reads_renamed_checkpoint_keys(monkeypatch):
+    """The tiny Gemma 3 multimodal checkpoint stores every tensor under a legacy name (`language_model.model.*`) that
+    transformers' conversion mapping renames while loading: the proof compares them all, and catches one that differs."""
+    from stackcheck.models import tiny
+
+    gemma3mm = architectures.builtin()["gemma3mm"]
+    model = tiny._new_base_model(gemma3mm).to(torch.bfloat16)
+    monkeypatch.setattr(load, "_CHECKPOINTS_PROVEN", set())
+    load.require_reference_is_checkpoint(gemma3mm, model)
+    with torch.no_grad():
+        model.model.language_model.norm.weight.add_(1)
+    monkeypatch.setattr(load, "_CHECKPOINTS_PROVEN", set())
+    with pytest.raises(scenario.ScenarioNotReached, match=r"1 of 103 tensors differ, first \['language_model\.model\.norm\.weight'\]"):
+        load.require_reference_is_checkpoint(gemma3mm, model)

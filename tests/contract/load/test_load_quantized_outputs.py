@@ -6,14 +6,17 @@ quantized, and nothing else. A weight left at random initialisation (a checkpoin
 (transposed, fused in the wrong order, moved to another layer) or given the wrong scale is caught, on every
 architecture and quantization (the axes of `load_quantized_layers`, covered by pairs: NF4/FP4, double quant,
 bf16/fp16/fp32, int8, the skip list). The reference is the tiny model built in memory from its config and seed, in
-bf16, never through `from_pretrained` (proven equal to the checkpoint file, tensor by tensor, where the names agree).
+bf16, never through `from_pretrained` (proven equal to the checkpoint file, tensor by tensor, each stored key read
+under the name transformers' own conversion mapping gives it: the tiny Gemma 3 multimodal checkpoint stores all its 103
+tensors under the legacy names `language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`, which the model
+calls `model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`).
 
 Judged by mechanism, three measures, in order:
 1. Each quantized layer's weight (dequantized by bitsandbytes) against the checkpoint's: the largest distance of any
    value, in half steps of the quantization's code at its block's scale (NF4/FP4: blocks of 64 values, bitsandbytes'
    own code table; int8: 1/127 of the row's absmax). A correct rounding is at most 1; double quant rounds the block's
    scale to 8 bits and adds a few percent. Measured (CPU, seed and latest, every architecture): 1.0000 for int8, at
-   most 1.0076 without double quant and 1.0394 with it. A layer whose checkpoint key was not loaded (left at its
+   most 1.0076 without double quant and 1.0394 with it (1.0462: Gemma 3 multimodal, seed, NF4 with double quant). A layer whose checkpoint key was not loaded (left at its
    initialisation) or that was transposed on its way in measures 11.9 to 17.2 (4-bit) and 518 to 589 (int8) (the
    loader broken on purpose on the tiny Llama 3, Gemma 4 and Qwen3-MoE; tests/harness/test_guards_load.py). Tolerance
    1.25. This measure needs no bitsandbytes kernel to be right: it caught one that is not (below).
@@ -24,9 +27,11 @@ Judged by mechanism, three measures, in order:
    weight replaced by the one the layer holds (dequantized; by 1, the checkpoint's value rounded) gives the error the
    rounding causes, and the reference computed in the model's dtype gives the dtype's own. Their ratio, error /
    (rounding's + dtype's), is about 1 when the quantized forward computes what its weights say: measured 0.94 to 1.00
-   for NF4 and 0.96 to 1.00 for FP4 (relative logit errors 0.09 to 0.41 by architecture and type, seed and latest).
-   LLM.int8 also rounds the activations to 8 bits, an error of the same size as the weights': 0.91 to 1.50 (errors
-   0.008 to 0.049). Tolerances 1.25 (4-bit) and 2.0 (int8). This catches what 1 and 2 cannot: a forward that computes
+   for NF4 and 0.96 to 1.00 for FP4 (relative logit errors 0.09 to 0.41 by architecture and type, seed and latest);
+   Qwen3-Next in bf16 with its attention skipped measures lower (0.62 FP4, 0.72 NF4, seed; the tolerance bounds the
+   ratio from above only). LLM.int8 also rounds the activations to 8 bits, an error of the same size as the weights':
+   0.91 to 1.50 (errors 0.008 to 0.049), up to 1.67 on Qwen3-Next (fp32, its attention skipped, error 0.0067) and down
+   to 0.15 on Qwen3-Next in bf16 (seed). Tolerances 1.25 (4-bit) and 2.0 (int8). This catches what 1 and 2 cannot: a forward that computes
    something other than its weights (a kernel, a compute dtype, a buffer or a config value loaded wrong).
 
 Found with it: on a CPU with AVX512F, bitsandbytes 0.49.0 and later dequantizes a 4-bit weight whose rows are not a
