@@ -269,6 +269,67 @@ def test_a_library_level_bug_is_known_in_every_family_that_reaches_it(ledger, ve
     assert ledger.judge("fsdp_end_to_end", test, in_range, None, "llama").verdict == PASS
 
 
+def fsdp1_no_shard_failure(tmp_path) -> Failure:
+    """torch's own FSDP1 check, raised for real: one gloo rank (FULL_SHARD becomes NO_SHARD), a tied embedding frozen in
+    the root unit beside trainable wrapped layers, as PEFT leaves a model; the second forward asserts."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, hidden):
+            return hidden + self.proj(hidden)
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(8, 4)
+            self.layers = torch.nn.ModuleList([Layer(), Layer()])
+            self.lm_head = torch.nn.Linear(4, 8, bias=False)
+            self.lm_head.weight = self.embed_tokens.weight
+
+        def forward(self, ids):
+            hidden = self.embed_tokens(ids)
+            for layer in self.layers:
+                hidden = layer(hidden)
+            return self.lm_head(hidden)
+
+    def steps(model, optimizer):
+        for _ in range(2):
+            model(torch.tensor([[1, 2, 3]])).pow(2).mean().backward()
+            optimizer.step()
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        tied = Tied()
+        tied.embed_tokens.weight.requires_grad_(False)
+        model = FSDP(tied, auto_wrap_policy=ModuleWrapPolicy({Layer}), device_id=torch.device("cpu"), use_orig_params=True,
+                     sharding_strategy=ShardingStrategy.FULL_SHARD)
+        return caught(steps, model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp1_no_shard_is_known_wherever_its_forward_comes_from(ledger, versions, tmp_path):
+    """FSDP1's world-size-1 assertion, reached from a family's own loop (fsdp1_quant_storage, sharded_training) or below
+    the Trainer's compute_loss (sharded_resume): the frame that raised it is torch's, whatever called the forward
+    (before: the signature named fsdp1_quant_storage's function, and the contract families read new_failure). A family
+    that does not list it (sharded_merge) files it there too."""
+    failure = fsdp1_no_shard_failure(tmp_path)
+    assert failure.raising_frame_for("torch/x.py:f") == "torch/distributed/utils.py:_p_assert"
+    for family, test in (("fsdp1_quant_storage", "test_fsdp1_qlora_steps_match_one_process[gpu-ws1-bf16]"),
+                         ("sharded_training", "test_bnb_optimizer_matches_one_process[gpu-ws1-fsdp1-paged_adamw]"),
+                         ("sharded_resume", "test_a_resumed_job_continues_the_uninterrupted_one[gpu-ws1-fsdp1-full-lora]"),
+                         ("sharded_merge", "test_the_merge_of_the_saved_adapter_is_one_process_merge[gpu-ws1-trainer]")):
+        judgement = ledger.judge(family, test, versions, failure, None)
+        assert (judgement.verdict, judgement.bug) == (KNOWN_BUG, "fsdp1_no_shard_frozen_root_tied"), family
+
+
 def merge_divergence(kept: float) -> Failure:
     """The merge family's own comparison on real logits, keeping `kept` of the adapter's effect beside noise."""
     family = family_module("merge_parity")
