@@ -66,3 +66,50 @@ def test_a_resume_that_restores_nothing_fails_the_resume_property(monkeypatch, t
         resume.test_a_resumed_job_continues_the_uninterrupted_one(ranks_for(tmp_path), 2, "zero3", "lora", tmp_path)
     messages = failures(excinfo)
     assert messages and all("differ from the uninterrupted job's" in m for m in messages), messages
+
+
+SPLIT_AUTO_BASE = """
+    import os
+    from pathlib import Path
+    from stackcheck import scenario
+    from stackcheck.harness import load, place
+
+    def split_auto(under_test, device_map=None, **kwargs):
+        if device_map != "auto":
+            return load.load_base(under_test, device_map=device_map, **kwargs)
+        return place.split_base(under_test, Path(OFFLOAD + os.environ["RANK"]))
+
+    scenario.load_base = split_auto
+"""
+
+
+@pytest.mark.skipif(os.environ.get("STACKCHECK_DIST_CPU") != "all", reason="two jobs a run: with STACKCHECK_DIST_CPU=all, as the cell")
+def test_an_unclear_refusal_of_a_split_base_fails_the_auto_cell(monkeypatch, tmp_path):
+    """`device_map="auto"` splitting the base across devices, as on a rank that sees several GPUs (here the harness's
+    split base of the CPU lane, its final norm offloaded to disk: LoRA weights all on the CPU): accelerate's own refusal
+    at `prepare` passes the auto cell, with its message as the result; the same refusal that does not say why fails it."""
+    split = f"OFFLOAD = {str(tmp_path / 'offload-')!r}\n" + textwrap.dedent(SPLIT_AUTO_BASE)
+    (tmp_path / "clear").mkdir()
+    (tmp_path / "unclear").mkdir()
+    break_the_ranks(monkeypatch, tmp_path / "clear", split)
+    ranks = ranks_for(tmp_path / "clear")
+    data_parallel.test_ddp_qlora_steps_match_one_process(ranks, 2, "auto")
+    results = [outcome.result for outcome in ranks.node.stackcheck_ranks]
+    assert all("meta" in r["base_devices"] and "device_map='auto'" in r["refused_at_prepare"] for r in results), results
+
+    break_the_ranks(monkeypatch, tmp_path / "unclear", split + textwrap.dedent("""
+        import accelerate
+        prepare = accelerate.Accelerator.prepare
+
+        def unclear(self, *args, **kwargs):
+            try:
+                return prepare(self, *args, **kwargs)
+            except ValueError:
+                raise ValueError("this model cannot be prepared") from None
+
+        accelerate.Accelerator.prepare = unclear
+    """))
+    with pytest.raises(RanksFailed) as excinfo:
+        data_parallel.test_ddp_qlora_steps_match_one_process(ranks_for(tmp_path / "unclear"), 2, "auto")
+    messages = failures(excinfo)
+    assert len(messages) == 2 and all(m == "this model cannot be prepared" for m in messages), messages

@@ -11,6 +11,23 @@ Properties:
 - **DDP QLoRA through `accelerate launch` matches one process.** The bare loop users write (`Accelerator`, `prepare`,
   `accelerator.backward`) on a 4-bit base loaded with `device_map={"": local_rank}`, as the bitsandbytes and PEFT
   guides write it, and with `device_map="auto"`, which users also pass: three SGD steps, each rank its own sequence.
+- **`device_map="auto"` under DDP: the same steps, or a clear refusal before any.** Where "auto" keeps the base on one
+  device (the CPU lane; a rank that sees one GPU) it is the rank's map and must train as one process. Where it splits
+  the base across devices (a rank that sees several GPUs: transformers' "auto" balances the model over all of them),
+  DDP cannot replicate the model, and accelerate refuses it in `prepare` (`Accelerator.verify_device_map`: an
+  `hf_device_map` of more than one entry, in any distributed mode): "You can't train a model that has been loaded with
+  `device_map='auto'` in any distributed mode. Please rerun your script specifying `--num_processes=1` or by launching
+  with `python {{myscript.py}}`." That refusal is the maintainers' answer (accelerate#1802: "You need to remove
+  `device_map="auto"` if you want to use DistributedDataParallel"; PR #1810 made it this explicit error; transformers
+  PR #38942 keeps "auto" from turning into tensor parallelism in a distributed run) and what a demanding user wants:
+  it comes at `prepare`, before any step, and says what was wrong. So the cell expects it there: a `ValueError` from
+  `prepare` whose message names `device_map='auto'` and the distributed mode passes (the message is the cell's
+  result); any other refusal, one of a base on one device, or a split base that `prepare` accepts and then trains
+  otherwise than one process, fails.
+  Measured on two H200s (both sets, before this expectation): every auto cell, world sizes 1 and 2, met that refusal
+  at `prepare` (at world size 1 too: `accelerate launch` with the DDP config keeps its distributed mode for one
+  process, so the advice to rerun with `--num_processes=1` does not apply there; launching with `python` does). Not
+  re-run on a GPU since; the cell's result records the base's devices and the refusal.
 - **One process that sees two GPUs** (the Trainer's `n_gpu > 1`, `python train.py` on a two-GPU host): the same step
   as one process on one GPU. The Trainer multiplies the batch by `n_gpu` but leaves a 4-bit model out of
   `torch.nn.DataParallel` ("quantized models do not support DP", `Trainer._wrap_model`, transformers PR #45407):
@@ -42,6 +59,7 @@ CPU accelerator) and accelerate's DDP loop run on the CPU too, left out of the d
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -58,6 +76,10 @@ STEPS = 3
 TOLERANCE = 1e-3
 CPU_COSTLY = "its CPU variant reproduces nothing the Trainer's DDP cell does not"
 TRAINER_FSDP_GPU_ONLY = "on a CPU host accelerate makes the Trainer's FSDP a DDP job"
+# accelerate's refusal of a base that device_map="auto" split across devices, in any distributed mode: clear when it
+# names the map and the mode (accelerate 1.13 to 1.15: "You can't train a model that has been loaded with
+# `device_map='auto'` in any distributed mode. ...").
+CLEAR_AUTO_REFUSAL = re.compile(r"device_map='auto'.*distributed", re.DOTALL)
 
 
 def subject() -> scenario.UnderTest:
@@ -138,20 +160,27 @@ def ddp_steps(device_map: str, launched: int) -> dict:
     # The guides' map of the rank's GPU, `{"": local_rank}`; on the CPU lane the rank's device is the CPU.
     placement = ({"": local_rank} if rank_side.lane() == "gpu" else {"": "cpu"}) if device_map == "rank" else "auto"
     base = scenario.load_base(under_test, device_map=placement)
+    # transformers records hf_device_map for some maps only (not for {"": "cpu"}): the devices the base's parameters are on
+    devices = sorted({str(p.device) for p in base.parameters()})
     model = recipes.lora_on(under_test, base)
     before = recipes.lora_weights(model, "one_process")
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    scenario.require(torch.distributed.get_world_size() == world_size, "the job does not run at the launched world size")
+    try:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    except ValueError as refusal:
+        if device_map != "auto" or len(devices) == 1 or not CLEAR_AUTO_REFUSAL.search(str(refusal)):
+            raise
+        # "auto" split the base across devices: refused before any step, saying why (the module's docstring).
+        return {"refused_at_prepare": str(refusal), "base_devices": devices}
     scenario.require(world_size == 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel),
                      f"prepare gave {type(model).__name__}, not DDP's module")
-    scenario.require(torch.distributed.get_world_size() == world_size, "the job does not run at the launched world size")
     batch = recipes.rows_batch([rows[torch.distributed.get_rank()]], under_test.device)
     recipes.sharded_steps(accelerator, model, optimizer, batch, STEPS)
     after = recipes.lora_weights(accelerator.unwrap_model(model), "one_process")
     update = {name: after[name] - before[name] for name in before}
-    worst = recipes.assert_same_update(f"DDP with device_map {placement!r}", update, reference, TOLERANCE)
-    # transformers records hf_device_map for some maps only (not for {"": "cpu"}): the devices the base's parameters are on
-    return {"worst_relative_error": worst, "base_devices": sorted({str(p.device) for p in base.parameters()})}
+    worst = recipes.assert_same_update(f"DDP with device_map {placement!r} (base on {', '.join(devices)})", update, reference, TOLERANCE)
+    return {"worst_relative_error": worst, "base_devices": devices}
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2", "zero3"])
