@@ -36,9 +36,10 @@ TESTS_PREFIX = "tests/"  # where a silent bug's frame lives: a family's own asse
 COMPREHENSION_FRAMES = frozenset({"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"})
 # The platform and our own helpers: their frames sit between the failing call and the raise (torch's
 # function modes and `Tensor` wrappers, the standard library's containers, `scenario`'s assertion
-# helpers), so they never identify a bug.
+# helpers), so they never identify a bug. typing_extensions' `deprecated` wraps some of torch's own functions
+# (torch.distributed's collectives): its pass-through frame sits between two torch frames.
 STDLIB_PREFIX = "stdlib/"
-HARNESS_FRAMES = ("torch/", "stackcheck/", STDLIB_PREFIX)
+HARNESS_FRAMES = ("torch/", "stackcheck/", STDLIB_PREFIX, "typing_extensions.py:")
 
 
 class Verdict(StrEnum):

@@ -100,6 +100,25 @@ def test_a_comprehension_is_named_by_its_function_on_every_python():
     assert failure.raising_frame == "tests/harness/test_ledger.py:checks_every_tensor"
 
 
+def test_a_deprecation_shim_below_the_library_call_does_not_hide_it():
+    """torch 2.13 deprecates `torch.distributed.all_gather_into_tensor` with typing_extensions' `deprecated`, whose
+    wrapper frame sits between torch's frames: a refusal raised below it (gloo's dtype check under DeepSpeed's ZeRO-3
+    gather) is named by the library that called the collective, not by the shim, on every torch release."""
+    from functools import partial
+
+    from typing_extensions import deprecated
+
+    shimmed = deprecated("deprecated here", category=FutureWarning)(partial(torch.ones))  # no Python frame below
+
+    def gathers(shape):
+        return shimmed(shape)
+
+    with pytest.warns(FutureWarning):
+        failure = caught(gathers, "not a shape")
+    assert failure.frames[-1] == "typing_extensions.py:wrapper"
+    assert failure.raising_frame == "tests/harness/test_ledger.py:gathers"
+
+
 def test_message_must_match_whole_not_be_searched(ledger, versions, monkeypatch):
     """The preflight names the seed's stray key; a longer list of unknown keys is another failure."""
     family = family_module("seed_scenario")
