@@ -12,6 +12,10 @@ Symptoms users report:
   range` while PEFT injects the adapter, because ZeRO-3 has partitioned the parameter and its `shape` is empty
   (its real shape is `ds_shape`). peft PR#3576, first released in 0.21.0 (the `ds_shape` lookup is absent from the
   0.20.0 wheel's `lora/layer.py`, present in 0.21.0's);
+- the first step fails in ZeRO-3's gather of the persistent parameters after the optimizer step: the buffers take the
+  first parameter's dtype, and the fp32 LoRA factors beside the bf16 weights do not fit (`output tensor must have the
+  same type as input tensor`; gloo: `invalid tensor type`). deepspeed#8072, fixed by PR#8073 in 0.19.3; this launch
+  config enables no mixed precision, so 0.18.0 and 0.19.1 fail here too (`deepspeed_zero3_allgather_first_param_dtype`);
 - `zero.Init` does not partition a 4-bit model while it loads (peft#1844, peft#2016, bitsandbytes#1249): transformers
   skips `zero.Init` for quantized models by design, so each rank loads the whole 4-bit model and ZeRO-3 partitions it
   at `prepare`. Not a failure: the QLoRA cell proves that `prepare` does partition every 4-bit weight.
