@@ -38,7 +38,7 @@ POLL_SECONDS = 0.1
 
 
 def engine_config(engine: str, options: dict | None = None, outdir: Path | None = None) -> Path:
-    """fixtures/distributed/<engine>.yaml (ddp, fsdp1, fsdp2, zero3, zero3-moe); with `options`, a copy in `outdir`
+    """fixtures/distributed/<engine>.yaml (ddp, fsdp1, fsdp2, zero, zero3, zero3-moe); with `options`, a copy in `outdir`
     with those keys changed, as a user edits the file: a key of the file's `fsdp_config` (or `deepspeed_config`) is
     changed there, any other at the top level. The job's command line names the copy."""
     path = ENGINES_DIR / f"{engine}.yaml"

@@ -1,0 +1,234 @@
+"""Gradient accumulation under the DeepSpeed engine: k micro-batches make the update of one batch of the same tokens.
+
+Property, launched as users launch it (`accelerate launch` with fixtures/distributed/zero.yaml naming the cell's
+DeepSpeed JSON; a QLoRA model: NF4 base in uint8 storage on the rank's device at stages 0 to 2, bf16 storage at stage
+3 as the PEFT guide writes it; torch's SGD as the client optimizer), at ZeRO stage 0, 1, 2 and 3, the engine in fp32
+or bf16, with and without `offload_optimizer` (stages 1 and 2, `zero_force_ds_cpu_optimizer: false`: the client
+optimizer steps the offloaded fp32 partition, so DeepSpeed's CPU Adam op is not needed), and at stage 1 with bf16 and
+`data_types.grad_accum_dtype: fp32` (DeepSpeed's BF16_Optimizer):
+- every rank trains MICRO_BATCHES micro-batches of one sequence each, a sequence of its own per rank and micro-batch,
+  then the engine takes one optimizer step;
+- every rank holds the same LoRA weights after it (the ranks step from one reduced gradient);
+- the LoRA update (weights after - before) is one process's SGD step on every rank's sequences at once (the global
+  batch: the same tokens).
+Two drivers: `accelerate`, accelerate's documented loop (`with accelerator.accumulate(model)`, `accelerator.backward`,
+`optimizer.step`, `optimizer.zero_grad`; `gradient_accumulation_steps: 3` in the JSON, which accelerate adopts; under
+DeepSpeed accelerate marks the boundary with the engine's `set_gradient_accumulation_boundary` and the engine steps at
+it); `boundary`, the engine's own API as RL trainers drive it (OpenRLHF, open-instruct): `gradient_accumulation_steps:
+1`, `set_gradient_accumulation_boundary` False until the last micro-batch, `engine.backward(loss / k)`, `engine.step()`.
+
+Plain SGD, a constant rate, no clipping: the update is the learning rate times the gradient, so a micro-batch lost, or
+a gradient scaled, shows with its factor as the update's scale along one process's (`recipes.update_scale`), which the
+failure names and the ledger judges. Bugs of this property (docs/recall.md rows 47, 48, 50, 51): ZeRO-2 with
+`offload_optimizer` copies a micro-batch's gradient to the CPU only at micro_step 0, so with three or more micro-batches
+the middle ones are dropped (deepspeed#7967; with two nothing is lost); with `gradient_accumulation_steps: 1` and several
+backwards a step only the last one's gradient is kept (deepspeed#7981); ZeRO stage 0 with bf16 divides the gradients
+by a loss scale of 65536 the loss never had (deepspeed#7839); ZeRO-1 with bf16 and fp32 accumulation adds the boundary
+micro-batch's gradient after the cross-rank all-reduce (deepspeed#7985). And one found here: from 0.18.3 to 0.19.5 the
+engine divides the gradient by k at each output of the forward it flows through, the loss and the logits of a
+transformers model, so stages 0 to 2 step 1/k of the update (`deepspeed_output_hooks_scale_gas_twice`).
+
+Precondition proven on every rank: DeepSpeed's engine at the asked stage, bf16 on or off as asked, its
+`gradient_accumulation_steps` (and accelerate's) the cell's, the optimizer offloaded (its `cpu_offload`) or not, the
+accumulation dtype fp32 where asked (the engine's optimizer is recorded: BF16_Optimizer there on 0.19.8); the boundary
+flag False for every micro-batch but the last and True there; exactly one optimizer step (`global_steps`); the ranks'
+micro-batches are the global batch, each sequence once; the job runs at the launched world size.
+
+Tolerance: the update against one process's, by relative error over the LoRA weights one process moves. fp32 engine:
+the mean over sequences of one length is the mean of the ranks' means, summation order only; bf16 engine: the LoRA
+runs in bf16 (DeepSpeed casts the module) against one process's fp32 LoRA. Measured on the CPU (two gloo ranks, seed,
+deepspeed 0.19.8, every cell): fp32 0.0 to 1.5e-7, bf16 0.0075 to 0.0077 (update scales 0.9983 to 1.0): 0.03. The ranks' weights
+agree bit for bit (0.0): 1e-6. A micro-batch dropped or a gradient scaled by 1/k is order 1/k (k = 3).
+
+Measured on the CPU (two gloo ranks, seed with the deepspeed release pinned): 0.19.8 and 0.19.6 pass; 0.19.5, 0.18.9
+and 0.18.4 step 0.3334 (fp32) and 0.3336 (bf16) of the update at stages 0 to 2 (the output hooks), 0.18.2 passes (stage 0, fp32); stage 0
+bf16 steps 5.09e-06 (1/65536/3) on 0.18.4 and 0.18.5; ZeRO-2 offload 0.2063 on 0.18.4 (the middle micro-batch dropped,
+times 1/3; ZeRO-1 offload keeps it: 0.3336, its reduction runs at the boundary only); the boundary driver 0.3553 on
+0.18.4 (only the last backward kept). The stage-1 fp32-accumulation cell steps 0.3349 on 0.18.5 and 0.18.9: the hooks'
+1/k masks deepspeed#7985 on every release that has it. On 0.18.9, ZeRO-1/2 steps over gloo fail in torch 2.13's
+`all_gather_into_tensor` ("Output 0 of Split is a view and is being modified inplace"), the CPU lane only.
+
+CPU lane: every cell runs on two gloo ranks (DeepSpeed's CPU accelerator; offload copies to the same CPU, through
+DeepSpeed's own offload code). One cell is in the default CPU lane, ZeRO-2 with bf16 and offload (the QLoRA users'
+memory recipe; it shows the output hooks and the dropped micro-batch), 20 to 30 s on 2 shared cores; the others are
+left out of it for their cost (STACKCHECK_DIST_CPU=all runs them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from stackcheck import scenario
+from stackcheck.distributed import rank as rank_side, recipes
+from stackcheck.distributed.cells import WORLD_SIZES
+from stackcheck.models import architectures, tiny
+
+MODULE = "tests.contract.distributed.test_engine_accumulation"
+ARCHITECTURE = "llama3"
+MICRO_BATCHES = 3
+LEARNING_RATE = 0.05
+TOLERANCE = 0.03
+# The ranks step from one reduced gradient: the same weights, bit for bit (measured 0.0 on every cell).
+RANKS_TOLERANCE = 1e-6
+CPU_COSTLY = "its CPU variant runs the same engine code as the GPU lane's, at 15 to 25 s a cell"
+DEFAULT_CPU_CELL = "z2-bf16-offload"
+
+
+@dataclass(frozen=True)
+class Engine:
+    stage: int
+    bf16: bool
+    offload: bool = False
+    fp32_accumulation: bool = False
+    driver: str = "accelerate"
+
+    def gradient_accumulation_steps(self) -> int:
+        return MICRO_BATCHES if self.driver == "accelerate" else 1
+
+    def deepspeed_config(self) -> dict:
+        """The cell's DeepSpeed JSON, as a user writes it."""
+        zero = {"stage": self.stage}
+        if self.offload:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        config = {"zero_optimization": zero, "bf16": {"enabled": self.bf16}, "train_micro_batch_size_per_gpu": 1,
+                  "gradient_accumulation_steps": self.gradient_accumulation_steps(), "gradient_clipping": 0.0}
+        if self.offload:
+            config["zero_force_ds_cpu_optimizer"] = False  # torch's SGD steps the offloaded partition
+        if self.fp32_accumulation:
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+        return config
+
+
+ENGINES = {
+    "z0-fp32": Engine(0, False),
+    "z0-bf16": Engine(0, True),
+    "z1-fp32": Engine(1, False),
+    "z1-bf16": Engine(1, True),
+    "z1-bf16-fp32accum": Engine(1, True, fp32_accumulation=True),
+    "z1-bf16-offload": Engine(1, True, offload=True),
+    "z2-fp32": Engine(2, False),
+    "z2-bf16": Engine(2, True),
+    "z2-fp32-offload": Engine(2, False, offload=True),
+    "z2-bf16-offload": Engine(2, True, offload=True),
+    "z2-bf16-offload-boundary": Engine(2, True, offload=True, driver="boundary"),
+    "z3-bf16": Engine(3, True),
+}
+
+
+def subject() -> scenario.UnderTest:
+    return scenario.UnderTest(architectures.builtin()[ARCHITECTURE], rank_side.device())
+
+
+def qlora_model(under_test, engine: Engine):
+    """The QLoRA recipe the engine trains: uint8 storage on the rank's device (stages 0 to 2 keep the frozen 4-bit
+    weights whole on every rank), ZeRO-3's bf16 storage as the PEFT guide writes it."""
+    return recipes.zero3_qlora_model(under_test) if engine.stage == 3 else recipes.fsdp_qlora_model(under_test)
+
+
+def require_engine(model, accelerator, engine: Engine) -> dict:
+    """The engine the cell asked for, proven from the engine itself; what it is, for the cell's record."""
+    from deepspeed import DeepSpeedEngine
+
+    scenario.require(isinstance(model, DeepSpeedEngine), f"prepare gave {type(model).__name__}, not DeepSpeed's engine")
+    optimizer = model.optimizer
+    found = {"stage": model.zero_optimization_stage(), "bf16": model.bfloat16_enabled(),
+             "gradient_accumulation_steps": model.gradient_accumulation_steps(),
+             "accelerate_gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
+             "offload": bool(getattr(optimizer, "cpu_offload", False)), "grad_accum_dtype": str(model.get_data_types()[1]),
+             "optimizer": type(optimizer).__name__}
+    asked = {"stage": engine.stage, "bf16": engine.bf16, "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+             "accelerate_gradient_accumulation_steps": engine.gradient_accumulation_steps(), "offload": engine.offload}
+    if engine.fp32_accumulation:
+        asked["grad_accum_dtype"] = str(torch.float32)
+    scenario.require(all(found[key] == value for key, value in asked.items()), f"the engine is {found}, not {asked}")
+    return found
+
+
+def accumulate(accelerator, model, optimizer, micro_batches: list[dict], engine: Engine) -> list[bool]:
+    """The cell's driver over the rank's micro-batches; the boundary flag the engine saw at each."""
+    boundaries = []
+    if engine.driver == "accelerate":
+        for micro_batch in micro_batches:
+            with accelerator.accumulate(model):
+                loss = model(**micro_batch).loss
+                accelerator.backward(loss)
+                boundaries.append(model.is_gradient_accumulation_boundary())
+                optimizer.step()
+                optimizer.zero_grad()
+        return boundaries
+    for index, micro_batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        model.set_gradient_accumulation_boundary(last)
+        loss = model(**micro_batch).loss
+        model.backward(loss / len(micro_batches))
+        boundaries.append(model.is_gradient_accumulation_boundary())
+        if last:
+            model.step()
+    return boundaries
+
+
+def accumulated_step(cell: str, launched: int) -> dict:
+    """On every rank: one process's SGD step on the global batch, then the engine's accumulated step."""
+    engine, world_size = ENGINES[cell], launched
+    accelerator = rank_side.accelerator()
+    under_test = subject()
+    rows = recipes.distinct_rows(world_size * MICRO_BATCHES)
+    reference = recipes.one_process_sgd(qlora_model(under_test, engine), recipes.rows_batch(rows, under_test.device), 1, LEARNING_RATE)
+
+    model = qlora_model(under_test, engine)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
+    rank = torch.distributed.get_rank()
+    mine = rows[rank * MICRO_BATCHES:(rank + 1) * MICRO_BATCHES]
+    loader = torch.utils.data.DataLoader(recipes.rows_dataset(mine), batch_size=1)  # accelerate reads the micro batch size
+    model, optimizer, _loader = accelerator.prepare(model, optimizer, loader)
+    found = require_engine(model, accelerator, engine)
+    scenario.require(torch.distributed.get_world_size() == world_size == int(os.environ["WORLD_SIZE"]),
+                     "the job does not run at the launched world size")
+    sharded = "zero3" if engine.stage == 3 else "one_process"
+    before = recipes.lora_weights(model.module, sharded)
+    boundaries = accumulate(accelerator, model, optimizer, [recipes.rows_batch([row], under_test.device) for row in mine], engine)
+    expected = [False] * (MICRO_BATCHES - 1) + [True]
+    scenario.require(boundaries == expected, f"the engine's accumulation boundaries were {boundaries}, not {expected}")
+    scenario.require(model.global_steps == 1, f"the engine took {model.global_steps} optimizer steps, not 1")
+    every_rank = [None] * world_size
+    torch.distributed.all_gather_object(every_rank, mine)
+    scenario.require(sorted(row for rank_rows in every_rank for row in rank_rows) == sorted(rows),
+                     "the ranks' micro-batches are not the global batch, each sequence once")
+    after = recipes.lora_weights(model.module, sharded)
+    update = {name: after[name] - before[name] for name in before}
+    spread = ranks_spread(update)
+    scenario.assert_within(f"the ranks hold other LoRA weights after the engine's step ({cell}): largest relative difference "
+                           f"of a rank's update from rank 0's", spread, RANKS_TOLERANCE)
+    moved = [name for name, delta in reference.items() if delta.any()]
+    scenario.require(moved and update.keys() == reference.keys(), "one process's step moved no LoRA weight, or other weights train")
+    worst = max(scenario.relative_error(update[name], reference[name]) for name in moved)
+    scale = recipes.update_scale(update, reference)
+    scenario.assert_within(f"{MICRO_BATCHES} micro-batches under the engine ({cell}) update the LoRA unlike one batch of "
+                           f"their tokens: the update is {scale:.4g} times one process's, worst relative error",
+                           worst, TOLERANCE, judged_by=("the update's scale", scale))
+    return {**found, "worst_relative_error": worst, "update_scale": scale, "ranks_spread": spread}
+
+
+def ranks_spread(update: dict[str, torch.Tensor]) -> float:
+    """How far this rank's LoRA update is from rank 0's (relative, over every LoRA weight): 0 where every rank
+    steps from the same reduced gradient, as data parallelism does at every stage."""
+    flat = torch.cat([update[name].flatten() for name in sorted(update)])
+    every_rank = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every_rank, flat)
+    return max(scenario.relative_error(other, every_rank[0]) for other in every_rank)
+
+
+@pytest.mark.parametrize("cell", list(ENGINES))
+@WORLD_SIZES
+def test_accumulated_micro_batches_update_as_one_batch(ranks, world_size, cell, tmp_path):
+    tiny.base_checkpoint(architectures.builtin()[ARCHITECTURE])  # built once here, before the ranks read it
+    engine = ENGINES[cell]
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps(engine.deepspeed_config(), indent=1))
+    ranks(f"{MODULE}:accumulated_step", world_size, engine="zero", cpu_costly=None if cell == DEFAULT_CPU_CELL else CPU_COSTLY,
+          engine_options={"deepspeed_config_file": str(config), "zero3_init_flag": engine.stage == 3}, cell=cell, launched=world_size)
