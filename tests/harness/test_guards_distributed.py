@@ -18,6 +18,7 @@ from stackcheck.distributed.outcome import RanksFailed, RankState
 
 data_parallel = importlib.import_module("tests.contract.distributed.test_data_parallel_training")
 resume = importlib.import_module("tests.contract.distributed.test_sharded_resume")
+engine_accumulation = importlib.import_module("tests.contract.distributed.test_engine_accumulation")
 
 
 def break_the_ranks(monkeypatch, tmp_path, patch: str) -> None:
@@ -113,3 +114,26 @@ def test_an_unclear_refusal_of_a_split_base_fails_the_auto_cell(monkeypatch, tmp
         data_parallel.test_ddp_qlora_steps_match_one_process(ranks_for(tmp_path / "unclear"), 2, "auto")
     messages = failures(excinfo)
     assert len(messages) == 2 and all(m == "this model cannot be prepared" for m in messages), messages
+
+
+@pytest.mark.skipif(os.environ.get("STACKCHECK_DIST_CPU") != "all", reason="a job of 20 to 30 s: with STACKCHECK_DIST_CPU=all")
+def test_a_dropped_micro_batch_fails_the_engine_accumulation_property(monkeypatch, tmp_path):
+    """DeepSpeed's engine leaving out the first micro-batch of every accumulated step (the class of deepspeed#7967's
+    and #7981's dropped micro-steps): the update misses a third of the gradient, on every rank."""
+    break_the_ranks(monkeypatch, tmp_path, """
+        import deepspeed.runtime.engine as engine_module
+        original = engine_module.DeepSpeedEngine.backward
+
+        def backward(self, loss, *args, **kwargs):
+            if not self.is_gradient_accumulation_boundary() and getattr(self, "guard_dropped_at", None) != self.global_steps:
+                self.guard_dropped_at = self.global_steps
+                return loss
+            return original(self, loss, *args, **kwargs)
+
+        engine_module.DeepSpeedEngine.backward = backward
+    """)
+    with pytest.raises(RanksFailed) as excinfo:
+        engine_accumulation.test_accumulated_micro_batches_update_as_one_batch(ranks_for(tmp_path), 2, "z2-bf16-offload", tmp_path)
+    messages = failures(excinfo)
+    scales = [float(m) for message in messages for m in re.findall(r"the update is (\S+) times one process's", message)]
+    assert len(scales) == 2 and all(0.3 < scale < 0.95 for scale in scales), messages

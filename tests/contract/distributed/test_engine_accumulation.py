@@ -49,9 +49,10 @@ times 1/3; ZeRO-1 offload keeps it: 0.3336, its reduction runs at the boundary o
 `all_gather_into_tensor` ("Output 0 of Split is a view and is being modified inplace"), the CPU lane only.
 
 CPU lane: every cell runs on two gloo ranks (DeepSpeed's CPU accelerator; offload copies to the same CPU, through
-DeepSpeed's own offload code). One cell is in the default CPU lane, ZeRO-2 with bf16 and offload (the QLoRA users'
-memory recipe; it shows the output hooks and the dropped micro-batch), 20 to 30 s on 2 shared cores; the others are
-left out of it for their cost (STACKCHECK_DIST_CPU=all runs them).
+DeepSpeed's own offload code), all of them left out of the default CPU lane for their cost (STACKCHECK_DIST_CPU=all
+runs them): a cell takes 25 s on 2 shared cores and 40 s under a load of 5 (ZeRO-2 bf16 offload, measured), over the
+20 s the family may add to CI; with deepspeed 0.19.8 (the sets' release) they show nothing the GPU lane does not.
+`DEFAULT_CPU_CELL` names one to put back in the default run.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ LEARNING_RATE = 0.05
 TOLERANCE = 0.03
 # The ranks step from one reduced gradient: the same weights, bit for bit (measured 0.0 on every cell).
 RANKS_TOLERANCE = 1e-6
-CPU_COSTLY = "its CPU variant runs the same engine code as the GPU lane's, at 15 to 25 s a cell"
-DEFAULT_CPU_CELL = "z2-bf16-offload"
+CPU_COSTLY = "25 to 40 s a cell on 2 cores, over the family's CI budget"
+DEFAULT_CPU_CELL = None  # e.g. "z2-bf16-offload" (the QLoRA memory recipe; it shows the hooks and the dropped micro-batch)
 
 
 @dataclass(frozen=True)
