@@ -18,7 +18,7 @@ from stackcheck.releases.probes import DEFAULT_STORE
 from stackcheck.triage import doctor, repro, scan
 from stackcheck.releases import watch as watch_module
 from stackcheck.core.cell import Cell
-from stackcheck.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, build_all, check_ledger, family_targets, new_run_id, run_pytest
+from stackcheck.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, build_all, check_ledger, family_targets, new_run_id, named_paths, parallel_options, run_pytest
 from stackcheck.ledger import Ledger, LedgerError
 from stackcheck.protocol import ARCH_OPTION, DEFAULT_RESULTS, RESULTS_DIR, option
 from stackcheck.progress import Progress
@@ -280,7 +280,7 @@ def run_matrix(args) -> int:
         started, run = time.monotonic(), new_run_id()
         selection = [] if gpu else [CPU_LANE]
         # Every set after the first loads the adapter the first one trained (stackcheck.exchange).
-        code = run_pytest(pythons[vset.name], vset, targets, ["-q", *selection, *arch_options(args.arch), *args.pytest_args],
+        code = run_pytest(pythons[vset.name], vset, targets, ["-q", *selection, *arch_options(args.arch), *parallel_options(args.pytest_args), *args.pytest_args],
                           args.results, sets[0].name, tracker.env(), run=run)
         ran = results.cells_of_run(args.results, vset.name, run)
         cells += ran
@@ -325,7 +325,9 @@ def run_tests(args) -> int:
     # CI's run: the families on the seed's architecture unless --arch widens it (new architectures still have
     # unexplained new failures, which `matrix` shows: see docs/architectures.md).
     arch = arch_options(args.arch) or [option(ARCH_OPTION, architectures.SEED_ARCHITECTURE)]
-    code = run_pytest(python, vset, ["tests"], [*arch, *args.pytest_args], None)
+    # Every test, one xdist worker per core (docs/speed.md); a run that names its tests runs those, in one process.
+    targets = [] if named_paths(args.pytest_args) else ["tests"]
+    code = run_pytest(python, vset, targets, [*arch, *parallel_options(args.pytest_args), *args.pytest_args], None)
     if code in (4, 5):
         raise UsageError("pytest refused the run (its ERROR line above)" if code == 4 else "the selection collected no test")
     return exitcodes.from_pytest(code)

@@ -24,6 +24,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from stackcheck import REPO_ROOT, protocol
+from stackcheck.locking import folder_locked
 from stackcheck.versions import UsageError, VersionSet
 
 ENVS_DIR = REPO_ROOT / ".stackcheck" / "envs"
@@ -162,6 +163,13 @@ def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False, 
     combination gets its own environment, so commands that need different groups never rebuild each other's."""
     requirements, inherit = environment_requirements(vset, groups)
     print(f"== {torch_note(vset)}", flush=True)
+    # Two processes asking for one environment (xdist workers running the harness's real-set tests, two commands at
+    # once): the second waits for the first's build and reuses it, never removes it half built.
+    with folder_locked(ENVS_DIR):
+        return _build(vset, find_links, no_index, groups, requirements, inherit)
+
+
+def _build(vset: VersionSet, find_links, no_index: bool, groups: tuple[str, ...], requirements: list[str], inherit: bool) -> Path:
     env = ENVS_DIR / "+".join([vset.slug, *groups])
     python = env / "bin" / "python"
     stamp = env / "stackcheck-requirements.txt"

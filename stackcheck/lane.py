@@ -100,6 +100,39 @@ def check_model_types(python: Path, vset: VersionSet, options: list[str]) -> Non
                              f"{vset.name}) can build" + (f"; did you mean '{close[0]}'?" if close else ""))
 
 
+# Options whose value is the next argument, so that it is not read as a test path.
+VALUE_OPTIONS = ("-k", "-m", "-n", "-p", "-c", "-o", "--dist", "--rootdir", "--basetemp", "--confcutdir", "--deselect", "--ignore")
+
+
+def named_paths(pytest_args: list[str]) -> list[str]:
+    """The test paths (or ids) among pytest options: an argument that is no option's value and names a file or
+    folder of the checkout."""
+    return [arg for previous, arg in zip([None, *pytest_args], pytest_args)
+            if not arg.startswith("-") and previous not in VALUE_OPTIONS and (REPO_ROOT / arg.split("::", 1)[0]).exists()]
+
+
+def chooses_parallelism(pytest_args: list[str]) -> bool:
+    """Whether pytest options say how (or whether) xdist runs: `-n N`, `--dist`, `--tx`, `-p no:xdist`, or a debugger."""
+    for previous, arg in zip([None, *pytest_args], pytest_args):
+        if arg.startswith(("-n", "--numprocesses", "--dist", "--tx")) or arg in ("-d", "--pdb", "--trace", "-pno:xdist"):
+            return True
+        if previous == "-p" and arg == "no:xdist":
+            return True
+    return False
+
+
+def parallel_options(pytest_args: list[str], workers: int | None = None) -> list[str]:
+    """The xdist options of a run whose pytest options choose none: one worker per core (`workers` to say otherwise),
+    each idle worker taking the next test, longest first (stackcheck.schedule). Nothing where the options already
+    choose (`-n 0` runs in one process), where they name tests (`-- tests/families/test_x.py`, `-k`: a few tests are not worth a second worker's
+    start-up), nor inside an xdist worker (the harness's own tests under CI's workers: the cores are taken)."""
+    count = workers or os.cpu_count() or 1
+    narrowed = bool(named_paths(pytest_args)) or any(arg == "-k" or arg.startswith("-k") for arg in pytest_args)
+    if chooses_parallelism(pytest_args) or narrowed or os.environ.get("PYTEST_XDIST_WORKER") or count < 2:
+        return []
+    return ["-n", str(count), "--dist", "load", "--maxschedchunk", "1"]
+
+
 def lane_args(lanes: tuple[str, ...]) -> list[str]:
     """pytest options of a family run in `lanes` (("cpu",), or ("gpu", "cpu") on a GPU host); the cache
     plugin would share state between runs."""

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 from stackcheck import REPO_ROOT, hostinfo
 from stackcheck.core.cell import KEYS, LOST, Cell, arch_of, lane_of  # noqa: F401 - lane_of and arch_of are read from here too
+from stackcheck.locking import folder_locked
 from stackcheck.ledger import CONTRACT_DIR, FAMILIES_DIR, SEVERITY, SKIPPED, Ledger
 from stackcheck.versions import UsageError, load_sets
 
@@ -55,17 +54,10 @@ def load(path: Path) -> dict:
     return _decoded(json.loads(path.read_text())) if path.exists() else empty()
 
 
-@contextmanager
 def _locked(path: Path):
     """Exclusive use of the results files in `path`'s folder, between processes (the matrix's pytest workers, two
-    runs into one file). The lock is the folder's own (flock): no `.lock` file is left behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(folder, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(folder)  # releases the lock
+    runs into one file)."""
+    return folder_locked(path.parent)
 
 
 def new_file_mode() -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stackcheck import REPO_ROOT, protocol
+from stackcheck.locking import folder_locked
 
 if TYPE_CHECKING:
     from stackcheck.models.architectures import Architecture
@@ -108,10 +109,18 @@ def model_class(arch: Architecture):
 
 
 def _build_once(target: Path, build) -> Path:
-    """Build into a temp dir and rename it into place, so parallel workers never see half a checkpoint."""
+    """Build into a temp dir and rename it into place, so parallel workers never see half a checkpoint; under the
+    cache folder's lock, so that of the workers (xdist's, a distributed job's ranks) asking for one checkpoint at
+    once, one builds it and the others wait and load it (once per run, shared on disk)."""
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with folder_locked(target.parent):
+        return _build_locked(target, build)
+
+
+def _build_locked(target: Path, build) -> Path:
+    if target.exists():  # another process built it while this one waited
+        return target
     scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     started = time.monotonic()
     try:

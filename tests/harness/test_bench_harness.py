@@ -17,6 +17,7 @@ import torch
 from stackcheck import REPO_ROOT, cli, gate, scenario
 from stackcheck.bench import harness as bench
 from stackcheck.bench import compare as bench_compare, report as bench_report
+from stackcheck.locking import folder_locked
 from stackcheck.models import tiny
 from stackcheck.versions import UsageError
 
@@ -47,13 +48,23 @@ def run_bench(out: Path, *arguments: str, env: dict | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> dict:
-    """One smoke run of both sizes with two decode repeats, the realistic model shrunk."""
-    fixtures = tmp_path_factory.mktemp("fixtures")
-    for name in ("tiny_gemma4.json", "adapters.json"):  # copied as they are, so the tiny cache still hits
-        (fixtures / name).write_bytes((tiny.FIXTURES_DIR / name).read_bytes())
-    (fixtures / tiny.REALISTIC_FIXTURE).write_text(json.dumps(SHRUNK_REALISTIC))
-    return run_bench(tmp_path_factory.mktemp("bench") / "smoke.json", "tests/benchmarks", "--stackcheck-bench-size=all",
-                     "--stackcheck-bench-repeat=2", env={"STACKCHECK_FIXTURES": str(fixtures)})
+    """One smoke run of both sizes with two decode repeats, the realistic model shrunk: once per test run, shared on
+    disk by the xdist workers whose tests ask for it (the parent of a worker's temporary folder is the run's)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "bench-smoke"
+    out = shared / "smoke.json"
+    with folder_locked(shared):
+        if out.exists():
+            return bench_compare.load(out)
+        fixtures = shared / "fixtures"
+        fixtures.mkdir(exist_ok=True)  # a failed run's, of the same files
+        for name in ("tiny_gemma4.json", "adapters.json"):  # copied as they are, so the tiny cache still hits
+            (fixtures / name).write_bytes((tiny.FIXTURES_DIR / name).read_bytes())
+        (fixtures / tiny.REALISTIC_FIXTURE).write_text(json.dumps(SHRUNK_REALISTIC))
+        ran = run_bench(shared / "run.json", "tests/benchmarks", "--stackcheck-bench-size=all", "--stackcheck-bench-repeat=2",
+                        env={"STACKCHECK_FIXTURES": str(fixtures)})
+        os.replace(shared / "run.json", out)  # only a run that passed is shared
+        return ran
 
 
 def test_smoke_bench_records_every_case_and_metric(smoke):

@@ -1,0 +1,110 @@
+"""The order a parallel run (pytest-xdist) hands its tests out in: longest first, from the seconds a run measured.
+
+With `--dist load --maxschedchunk 1` (what `stackcheck tests` and `matrix` pass by default,
+stackcheck.lane.parallel_options) each worker holds at most two tests and takes the next of the collection when it
+is done, so a collection sorted longest-first is the classic longest-processing-time schedule: the long cells
+(distributed jobs, training loops, the harness's end-to-end runs) start at once on every worker, and the short ones
+fill the gaps at the end instead of a long cell starting last and running alone. (Not `loadgroup`: pytest-xdist
+3.8 marks a group by rewriting `item._nodeid`, which pytest 9 no longer reads, so its groups are not kept
+together. A costly fixture that several tests share is shared on disk across the workers instead, as
+`test_bench_harness`'s smoke run is.)
+
+The seconds come from DURATIONS_FILE (`--stackcheck-durations` names another), written by a run with
+`--stackcheck-record-durations=PATH` (setup, call and teardown of each test, from every worker). A test the file
+does not know (new since the file was written) is expected to take what the known tests of its function take on
+average, else its module's, else nothing; a stale file only costs balance, never a verdict: the order of tests is
+all it changes. Without xdist nothing changes.
+
+This module is a pytest plugin (pyproject's addopts).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from stackcheck import REPO_ROOT
+
+DURATIONS_FILE = REPO_ROOT / "tests" / "durations.json"
+RECORD_OPTION = "--stackcheck-record-durations"
+# Tests under this many seconds are left out of the file: their order does not matter.
+RECORD_FROM_SECONDS = 0.5
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.getgroup("stackcheck").addoption(
+        "--stackcheck-durations", default=str(DURATIONS_FILE), metavar="PATH",
+        help="the measured seconds a parallel run orders its tests by, longest first (default: %(default)s)")
+    parser.getgroup("stackcheck").addoption(
+        RECORD_OPTION, default=None, metavar="PATH",
+        help="write each test's seconds (setup + call + teardown, over RECORD_FROM_SECONDS) to PATH at the end: the "
+             f"file a parallel run orders its tests by ({DURATIONS_FILE.relative_to(REPO_ROOT)})")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption(RECORD_OPTION) and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(Recorder(Path(config.getoption(RECORD_OPTION))), "stackcheck-durations")
+
+
+def measured(path: Path) -> dict[str, float]:
+    """The seconds in a durations file; nothing where it is missing or not one (only the order would suffer)."""
+    try:
+        return {str(k): float(v) for k, v in json.loads(path.read_text())["seconds"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def function_of(nodeid: str) -> str:
+    return nodeid.split("[", 1)[0]
+
+
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def expected_seconds(nodeids: list[str], known: dict[str, float]) -> dict[str, float]:
+    """Each test's expected seconds: its own, else the mean of its function's known tests, else its module's, else 0."""
+    by_function, by_module = defaultdict(list), defaultdict(list)
+    for nodeid, seconds in known.items():
+        by_function[function_of(nodeid)].append(seconds)
+        by_module[module_of(nodeid)].append(seconds)
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values) if values else 0.0
+
+    return {nodeid: known[nodeid] if nodeid in known
+            else mean(by_function.get(function_of(nodeid)) or by_module.get(module_of(nodeid)) or [])
+            for nodeid in nodeids}
+
+
+def longest_first(items: list, expected: dict[str, float]) -> list:
+    """`items`, the costliest first; ties keep the collection's order."""
+    return sorted(items, key=lambda item: -expected[item.nodeid])  # stable
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput"):  # a plain run, or the controller (which collects nothing)
+        return
+    known = measured(Path(config.getoption("--stackcheck-durations")))
+    items[:] = longest_first(items, expected_seconds([item.nodeid for item in items], known))
+
+
+class Recorder:
+    """Adds up each test's phases, in the process that sees every report (the controller, or a plain run)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[report.nodeid] += report.duration
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        kept = {nodeid: round(seconds, 1) for nodeid, seconds in sorted(self.seconds.items()) if seconds >= RECORD_FROM_SECONDS}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"_comment": "seconds per test (setup + call + teardown) of one measured run: "
+                                         "the order a parallel run hands tests out in (stackcheck.schedule)",
+                                         "seconds": kept}, indent=1) + "\n")
