@@ -400,8 +400,9 @@ class Recorder:
 class Timing:
     """A run's cost split, written to --stackcheck-timing at exit: start-up (interpreter, imports and
     collection, from the runner's launch), fixture build (the tiny checkpoints this process built), tests
-    (every setup, call and teardown, less the fixture build). Under xdist the tests run in the workers, so
-    the split is of the controller's view and fixture build is unknown (null)."""
+    (every setup, call and teardown, less the fixture build). Under xdist the tests run in the workers: start-up
+    lasts until the last worker has collected, tests are the workers' seconds added up (more than the wall time
+    they took), and fixture build is unknown (null)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -411,6 +412,10 @@ class Timing:
         self.phases = 0.0
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.collected = time.time()
+
+    @pytest.hookimpl(optionalhook=True)  # under xdist: start-up ends when the last worker has collected
+    def pytest_xdist_node_collection_finished(self, node, ids: list[str]) -> None:
         self.collected = time.time()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
