@@ -108,3 +108,45 @@ class Recorder:
         self.path.write_text(json.dumps({"_comment": "seconds per test (setup + call + teardown) of one measured run: "
                                          "the order a parallel run hands tests out in (stackcheck.schedule)",
                                          "seconds": kept}, indent=1) + "\n")
+
+
+# ------------------------------------------------------------------------------------------- where the time goes
+
+def breakdown(seconds: dict[str, float], workers: int, top: int = 10) -> str:
+    """A recorded run's test-seconds by folder and by module, its longest tests, and the floor of a run on `workers`
+    workers: no schedule finishes before its longest test, nor before the test-seconds shared out evenly."""
+    total = sum(seconds.values())
+    by_folder, by_module = defaultdict(float), defaultdict(float)
+    for nodeid, value in seconds.items():
+        by_folder[module_of(nodeid).rsplit("/", 1)[0]] += value
+        by_module[module_of(nodeid)] += value
+    longest = sorted(seconds.items(), key=lambda item: -item[1])
+    floor = max(longest[0][1] if longest else 0.0, total / workers)
+    lines = [f"{len(seconds)} tests over {RECORD_FROM_SECONDS} s, {total:.0f} test-seconds; floor on {workers} workers: {floor:.0f} s",
+             "", "by folder:"]
+    lines += [f"  {value:7.0f} s {100 * value / total:5.1f}%  {name}" for name, value in sorted(by_folder.items(), key=lambda i: -i[1])]
+    lines += ["", f"the {top} costliest modules:"]
+    lines += [f"  {value:7.0f} s  {name}" for name, value in sorted(by_module.items(), key=lambda i: -i[1])[:top]]
+    lines += ["", f"the {top} longest tests:"]
+    lines += [f"  {value:7.1f} s  {name}" for name, value in longest[:top]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import os
+
+    parser = argparse.ArgumentParser(prog="python -m stackcheck.schedule",
+                                     description="Where a recorded run's time went (a file written by --stackcheck-record-durations).")
+    parser.add_argument("path", nargs="?", type=Path, default=DURATIONS_FILE, help="the durations file (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="the workers the floor is for (default: the cores)")
+    args = parser.parse_args(argv)
+    known = measured(args.path)
+    if not known:
+        parser.error(f"{args.path}: no durations file (write one with {RECORD_OPTION}=PATH)")
+    print(breakdown(known, max(args.workers, 1)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

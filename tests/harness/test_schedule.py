@@ -140,3 +140,12 @@ def test_the_durations_file_names_collected_tests():
     assert known and all(seconds >= schedule.RECORD_FROM_SECONDS for seconds in known.values())
     modules = {nodeid.split("::", 1)[0] for nodeid in known}
     assert sum((REPO_ROOT / module).exists() for module in modules) >= 0.8 * len(modules)
+
+
+def test_the_breakdown_names_the_floor_folders_and_longest_tests():
+    seconds = {"tests/families/test_a.py::test_x[cpu]": 30.0, "tests/families/test_a.py::test_y": 10.0,
+               "tests/harness/test_b.py::test_z": 20.0}
+    text = schedule.breakdown(seconds, workers=2)
+    assert text.startswith("3 tests over 0.5 s, 60 test-seconds; floor on 2 workers: 30 s")
+    assert "     40 s  66.7%  tests/families" in text and "30.0 s  tests/families/test_a.py::test_x[cpu]" in text
+    assert schedule.breakdown(seconds, workers=1).splitlines()[0].endswith("floor on 1 workers: 60 s")
