@@ -57,7 +57,7 @@ class ReproUnsupported(Exception):
 # Where each helper module lives, by the name the families call it through. `scenario` is a facade over the
 # harness's phase modules: its definitions are theirs, read in an order where each uses only those before it.
 HARNESS_PHASES = ("proof", "subject", "generate", "load", "place", "adapt", "train", "trainer")
-HELPER_PATHS = {"tiny": ("stackcheck/models/tiny.py",), "architectures": ("stackcheck/models/architectures.py",),
+HELPER_PATHS = {"tiny": ("stackcheck/locking.py", "stackcheck/models/tiny.py"), "architectures": ("stackcheck/models/architectures.py",),
                 "hostinfo": ("stackcheck/hostinfo.py",),
                 "scenario": tuple(f"stackcheck/harness/{phase}.py" for phase in HARNESS_PHASES)}
 
