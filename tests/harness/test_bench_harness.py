@@ -40,7 +40,9 @@ def run_bench(out: Path, *arguments: str, env: dict | None = None) -> dict:
     completed = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "benchmark", "--stackcheck-bench-smoke",
          f"--benchmark-json={out}", *arguments],
-        cwd=REPO_ROOT, env=dict(os.environ, **(env or {})), capture_output=True, text=True, check=False,
+        # A run of its own, not one of this run's xdist workers (whose variables would tell the child it is one).
+        cwd=REPO_ROOT, env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}, **(env or {})},
+        capture_output=True, text=True, check=False,
     )
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     return bench_compare.load(out)  # also proves a real run passes the shape check
