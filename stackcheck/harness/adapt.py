@@ -92,17 +92,29 @@ def lora_layers(model) -> dict[str, torch.nn.Module]:
 
 def require_variant_applied(model, variant: AdapterVariant, adapter_name: str = "default") -> None:
     """Prove that PEFT built what the configuration asks for: a DoRA magnitude on every LoRA layer, rsLoRA's
-    scaling alpha / sqrt(r), a trainable copy of the head and of the input embeddings."""
+    scaling alpha / sqrt(r), a trainable copy of the head and of the input embeddings.
+
+    The scaling is judged by each layer's own rank and alpha: PEFT gives a layer those of `rank_pattern` and
+    `alpha_pattern` where they match it, and its transformers-5 conversion of a mixture of experts writes such
+    patterns itself (a fused gate_up_proj gets twice the config's rank and alpha: 8 and 16 for 4 and 8, so rsLoRA
+    scales it by 16 / sqrt(8), not 8 / sqrt(4)). A layer whose scaling follows plain LoRA's alpha / r under
+    use_rslora=True, or rsLoRA's without it, still fails."""
     layers = lora_layers(model)
     require(layers, "the adapter put no LoRA layer on the model")
     kwargs = dict(variant.lora_kwargs)
     if kwargs.get("use_dora"):
         plain = [name for name, layer in layers.items() if adapter_name not in getattr(layer, "lora_magnitude_vector", {})]
         require(not plain, f"use_dora=True left {len(plain)} of {len(layers)} LoRA layers without a DoRA magnitude: {plain[:2]}")
-    config = model.peft_config[adapter_name]
-    expected = config.lora_alpha / (config.r ** 0.5 if kwargs.get("use_rslora") else config.r)
-    off = [name for name, layer in layers.items() if not math.isclose(layer.scaling[adapter_name], expected)]
-    require(not off, f"{len(off)} LoRA layers do not scale by {expected} ({variant.name}): {off[:2]}")
+    rslora = bool(kwargs.get("use_rslora"))
+
+    def expected(layer) -> float:
+        r, alpha = layer.r[adapter_name], layer.lora_alpha[adapter_name]
+        return alpha / (math.sqrt(r) if rslora else r)
+
+    off = [(name, layer.scaling[adapter_name], expected(layer)) for name, layer in layers.items()
+           if not math.isclose(layer.scaling[adapter_name], expected(layer))]
+    rule = "alpha / sqrt(r)" if rslora else "alpha / r"
+    require(not off, f"{len(off)} LoRA layers do not scale by their {rule} ({variant.name}; name, scaling, expected): {off[:2]}")
     for module in kwargs.get("modules_to_save", ()):
         require(auxiliary_copies(model, module), f"modules_to_save gave {module} no copy of its own")
 
