@@ -66,10 +66,11 @@ def lora_gradients(under_test, model) -> dict[str, torch.Tensor]:
 
 def attention_runs(model, run) -> int:
     """How often the attention of decoder layer 0 ran during `run` (the layer's own hooks sit outside
-    transformers' checkpoint wrapper, so they see the first pass only)."""
+    transformers' checkpoint wrapper, so they see the first pass only). The layer's one attention, whatever its
+    kind (`scenario.layer_attention`): Qwen3-Next's layer 0 holds a `linear_attn`, no `self_attn`."""
     layers = scenario.decoder_layers(model)
     calls = []
-    handle = layers[0].self_attn.register_forward_hook(lambda *args: calls.append(1))
+    handle = scenario.layer_attention(layers[0]).register_forward_hook(lambda *args: calls.append(1))
     try:
         run()
     finally:
