@@ -2,8 +2,10 @@
 
 One home for the NF4 arithmetic (the bench's weight sizes, the quantized_experts family and scan's footprint
 prediction all use it) and for the rule of which weights stay unquantized by design: embeddings, the head, MoE
-routers, convolutions (bitsandbytes has no 4-bit convolution) and the modules the quantizer is told not to
-convert (the user's `llm_int8_skip_modules` and transformers' defaults). Any other
+routers, convolutions (bitsandbytes has no 4-bit convolution), the modules the quantizer is told not to
+convert (the user's `llm_int8_skip_modules` and transformers' defaults), and a raw parameter a module multiplies by
+itself (Gemma 3's `multi_modal_projector.mm_input_projection_weight`): transformers' `replace_with_bnb_linear`
+documents that it replaces "all `torch.nn.Linear` modules" (and GPT-2's Conv1D), nothing else. Any other
 weight of two or more dimensions is a weight the user asked to have in 4-bit. A mixture of experts that transformers
 5 fuses into 3-D parameters is the case that breaks the plan: bitsandbytes replaces `nn.Linear` only
 (bitsandbytes#1849), so the experts, most of the weights, stay in bf16.
@@ -64,6 +66,8 @@ def kept_by_design(model, skip_modules: list[str]) -> dict[str, str]:
             kept[name] = "convolution"
         elif any(name == skip or name.startswith(skip + ".") or f".{skip}." in f".{name}" for skip in skip_modules):
             kept[name] = "not to convert"
+        elif not (isinstance(owner, torch.nn.Linear) or type(owner).__name__ == "Conv1D") and not (experts and param.ndim == 3 and param.shape[0] == experts):
+            kept[name] = "not a Linear"
     return kept
 
 
