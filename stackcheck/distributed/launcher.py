@@ -58,10 +58,54 @@ def engine_config(engine: str, options: dict | None = None, outdir: Path | None 
     return edited
 
 
+# Ports for the jobs' rendezvous, below the kernel's ephemeral range: a port the kernel hands out (port 0) is free only
+# until the launcher binds it, and every NCCL or gloo connection of a concurrent job takes ephemeral ports too. On a
+# two-GPU host under 20 xdist workers, 5 cells' ranks died at the rendezvous with "address already in use".
+JOB_PORTS = range(20000, 32000)  # 60 slices
+# Each xdist worker (gwN) draws from a slice of its own, so concurrent jobs of one run never pick the same port.
+PORTS_PER_WORKER = 200
+_next_port = 0
+
+
+def ephemeral_ports() -> range:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
 def free_port() -> int:
+    """A port for the job's rendezvous: from this worker's slice of JOB_PORTS outside the ephemeral range, the next one
+    that binds now (another run on the host may hold some); the kernel's choice where none does."""
+    global _next_port
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    slot = int(worker[2:]) if worker[2:].isdigit() else os.getpid() % 50
+    slices = len(JOB_PORTS) // PORTS_PER_WORKER
+    start = JOB_PORTS.start + (slot % slices) * PORTS_PER_WORKER
+    ephemeral = ephemeral_ports()
+    for _ in range(PORTS_PER_WORKER):
+        port = start + _next_port % PORTS_PER_WORKER
+        _next_port += 1
+        if port in ephemeral:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def lost_the_port(outcomes: list[RankOutcome]) -> bool:
+    """Whether the job never started its function because its rendezvous port was taken: a rank died without an
+    outcome of its own saying so, and every other rank died or stopped with it. Nothing of the cell ran, so a new port may be tried."""
+    said = [o for o in outcomes if o.state == RankState.DIED and o.failure is not None
+            and "address already in use" in o.failure.message.lower()]
+    return bool(said) and all(o.state in (RankState.DIED, RankState.STOPPED) for o in outcomes)
 
 
 def command(target: str, outdir: Path, world_size: int, engine: str | None, port: int,
@@ -79,6 +123,21 @@ def launch(target: str, outdir: Path, world_size: int = 2, engine: str | None = 
     """Run `target` (MODULE:FUNCTION, called with `kwargs`) on `world_size` ranks, launched with the engine's config
     (changed by `engine_options`, see engine_config); every rank's outcome, by rank. Every process of the job is gone
     when this returns."""
+    for attempt in range(PORT_ATTEMPTS):
+        found = launch_once(target, outdir, world_size, engine, lane, timeout, kwargs, engine_options)
+        if not lost_the_port(found) or attempt == PORT_ATTEMPTS - 1:
+            return found
+        for rank in range(world_size):  # a fresh start: the dead job's files would read as this one's
+            for path in (rank_side.outcome_path(outdir, rank), rank_side.log_path(outdir, rank), rank_side.stacks_path(outdir, rank)):
+                path.unlink(missing_ok=True)
+    return found
+
+
+PORT_ATTEMPTS = 3
+
+
+def launch_once(target: str, outdir: Path, world_size: int, engine: str | None, lane: str, timeout: float,
+                kwargs: dict | None, engine_options: dict | None) -> list[RankOutcome]:
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "call.json").write_text(json.dumps(kwargs or {}))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),

@@ -6,6 +6,7 @@ import ctypes
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -132,11 +133,31 @@ def no_process_of(outdir) -> bool:
 
 # Real jobs.
 
-def test_every_rank_passes_over_gloo_under_torchrun(tmp_path):
-    outcomes = launcher.launch(f"{HERE}:rank_all_reduce", tmp_path / "job", timeout=120)
+def test_every_rank_passes_over_gloo_under_torchrun_when_the_first_port_was_taken(tmp_path, monkeypatch):
+    """The job's first port is held by another listener (as by a concurrent job on a busy host): the rendezvous
+    fails with "address already in use" before any rank runs, and the launcher starts the job again on another."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1], launcher.free_port()]
+    monkeypatch.setattr(launcher, "free_port", lambda: ports.pop(0))
+    try:
+        outcomes = launcher.launch(f"{HERE}:rank_all_reduce", tmp_path / "job", timeout=120)
+    finally:
+        taken.close()
+    assert ports == []  # both were used: the job was started twice
     assert [o.state for o in outcomes] == [RankState.PASSED, RankState.PASSED]
     assert [o.result for o in outcomes] == [{"sum": 3, "world_size": 2}] * 2
     assert no_process_of(tmp_path / "job")
+
+
+def test_jobs_of_one_worker_get_distinct_ports_outside_the_ephemeral_range(monkeypatch):
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
+    ports = [launcher.free_port() for _ in range(5)]
+    assert len(set(ports)) == 5
+    assert all(port in launcher.JOB_PORTS and port not in launcher.ephemeral_ports() for port in ports)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw4")
+    assert not set(ports) & {launcher.free_port() for _ in range(5)}
 
 
 def test_a_rank_that_raises_carries_its_failure_and_frame(tmp_path):
