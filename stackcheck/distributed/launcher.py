@@ -60,7 +60,7 @@ def engine_config(engine: str, options: dict | None = None, outdir: Path | None 
 
 # Ports for the jobs' rendezvous, below the kernel's ephemeral range: a port the kernel hands out (port 0) is free only
 # until the launcher binds it, and every NCCL or gloo connection of a concurrent job takes ephemeral ports too. On a
-# two-GPU host under 20 xdist workers, 5 cells' ranks died at the rendezvous with "address already in use".
+# two-GPU host under 22 xdist workers, 3 cells' ranks died at the rendezvous with "address already in use".
 JOB_PORTS = range(20000, 32000)  # 60 slices
 # Each xdist worker (gwN) draws from a slice of its own, so concurrent jobs of one run never pick the same port.
 PORTS_PER_WORKER = 200
