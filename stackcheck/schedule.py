@@ -9,8 +9,10 @@ fill the gaps at the end instead of a long cell starting last and running alone.
 together. A costly fixture that several tests share is shared on disk across the workers instead, as
 `test_bench_harness`'s smoke run is.)
 
-The seconds come from DURATIONS_FILE (`--stackcheck-durations` names another), written by a run with
-`--stackcheck-record-durations=PATH` (setup, call and teardown of each test, from every worker). A test the file
+The seconds come from DURATIONS_FILE, written by a run with `--stackcheck-record-durations=PATH` (setup, call and
+teardown of each test, from every worker), and GPU_DURATIONS_FILE, the GPU lane's cells' seconds from a GPU run's
+results (`python -m stackcheck.schedule --from-results matrix.json --write tests/durations-gpu.json`; the lane is in
+every cell's id, so the two never name the same test); `--stackcheck-durations` names other files. A test the file
 does not know (new since the file was written) is expected to take what the known tests of its function take on
 average, else its module's, else nothing; a stale file only costs balance, never a verdict: the order of tests is
 all it changes. Without xdist nothing changes.
@@ -29,6 +31,7 @@ import pytest
 from stackcheck import REPO_ROOT
 
 DURATIONS_FILE = REPO_ROOT / "tests" / "durations.json"
+GPU_DURATIONS_FILE = REPO_ROOT / "tests" / "durations-gpu.json"
 RECORD_OPTION = "--stackcheck-record-durations"
 # Tests under this many seconds are left out of the file: their order does not matter.
 RECORD_FROM_SECONDS = 0.5
@@ -36,8 +39,9 @@ RECORD_FROM_SECONDS = 0.5
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.getgroup("stackcheck").addoption(
-        "--stackcheck-durations", default=str(DURATIONS_FILE), metavar="PATH",
-        help="the measured seconds a parallel run orders its tests by, longest first (default: %(default)s)")
+        "--stackcheck-durations", action="append", default=None, metavar="PATH",
+        help="the measured seconds a parallel run orders its tests by, longest first; repeat for several files "
+             f"(default: {DURATIONS_FILE.relative_to(REPO_ROOT)} and {GPU_DURATIONS_FILE.relative_to(REPO_ROOT)})")
     parser.getgroup("stackcheck").addoption(
         RECORD_OPTION, default=None, metavar="PATH",
         help="write each test's seconds (setup + call + teardown, over RECORD_FROM_SECONDS) to PATH at the end: the "
@@ -88,8 +92,24 @@ def longest_first(items: list, expected: dict[str, float]) -> list:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not hasattr(config, "workerinput"):  # a plain run, or the controller (which collects nothing)
         return
-    known = measured(Path(config.getoption("--stackcheck-durations")))
+    paths = config.getoption("--stackcheck-durations") or [DURATIONS_FILE, GPU_DURATIONS_FILE]
+    known = {nodeid: seconds for path in paths for nodeid, seconds in measured(Path(path)).items()}
     items[:] = longest_first(items, expected_seconds([item.nodeid for item in items], known))
+
+
+def from_results(path: Path, lane: str = "gpu") -> dict[str, float]:
+    """The seconds of a results file's cells (matrix.json) of one lane, per test: the longest over its sets (a cell's
+    seconds are its test's: setup, call and teardown)."""
+    seconds: dict[str, float] = {}
+    for cell in json.loads(path.read_text()).get("cells", []):
+        if cell.get("lane") == lane and isinstance(cell.get("seconds"), (int, float)) and cell["seconds"] >= RECORD_FROM_SECONDS:
+            seconds[cell["test"]] = max(seconds.get(cell["test"], 0.0), round(float(cell["seconds"]), 1))
+    return seconds
+
+
+def write(path: Path, seconds: dict[str, float], comment: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"_comment": comment, "seconds": dict(sorted(seconds.items()))}, indent=1) + "\n")
 
 
 class Recorder:
@@ -103,14 +123,23 @@ class Recorder:
         self.seconds[report.nodeid] += report.duration
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        kept = {nodeid: round(seconds, 1) for nodeid, seconds in sorted(self.seconds.items()) if seconds >= RECORD_FROM_SECONDS}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps({"_comment": "seconds per test (setup + call + teardown) of one measured run: "
-                                         "the order a parallel run hands tests out in (stackcheck.schedule)",
-                                         "seconds": kept}, indent=1) + "\n")
+        kept = {nodeid: round(seconds, 1) for nodeid, seconds in self.seconds.items() if seconds >= RECORD_FROM_SECONDS}
+        write(self.path, kept, "seconds per test (setup + call + teardown) of one measured run: "
+                               "the order a parallel run hands tests out in (stackcheck.schedule)")
 
 
 # ------------------------------------------------------------------------------------------- where the time goes
+
+def makespan(seconds: list[float], workers: int) -> float:
+    """When the last of `workers` workers finishes, handed the tests longest first, each to the first worker free
+    (what --dist load --maxschedchunk 1 does with a longest-first collection): a simulation, start-up left out."""
+    import heapq
+
+    free_at = [0.0] * max(workers, 1)
+    for value in sorted(seconds, reverse=True):
+        heapq.heapreplace(free_at, free_at[0] + value)
+    return max(free_at)
+
 
 def breakdown(seconds: dict[str, float], workers: int, top: int = 10) -> str:
     """A recorded run's test-seconds by folder and by module, its longest tests, and the floor of a run on `workers`
@@ -123,6 +152,7 @@ def breakdown(seconds: dict[str, float], workers: int, top: int = 10) -> str:
     longest = sorted(seconds.items(), key=lambda item: -item[1])
     floor = max(longest[0][1] if longest else 0.0, total / workers)
     lines = [f"{len(seconds)} tests over {RECORD_FROM_SECONDS} s, {total:.0f} test-seconds; floor on {workers} workers: {floor:.0f} s",
+             f"longest first on {workers} workers (simulated, start-up left out): {makespan(list(seconds.values()), workers):.0f} s",
              "", "by folder:"]
     lines += [f"  {value:7.0f} s {100 * value / total:5.1f}%  {name}" for name, value in sorted(by_folder.items(), key=lambda i: -i[1])]
     lines += ["", f"the {top} costliest modules:"]
@@ -140,8 +170,22 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Where a recorded run's time went (a file written by --stackcheck-record-durations).")
     parser.add_argument("path", nargs="?", type=Path, default=DURATIONS_FILE, help="the durations file (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="the workers the floor is for (default: the cores)")
+    parser.add_argument("--from-results", type=Path, metavar="MATRIX_JSON", action="append",
+                        help="read the GPU lane's cells' seconds from results files (matrix.json) instead; repeatable")
+    parser.add_argument("--write", type=Path, metavar="PATH", help=f"with --from-results: write them as a durations file ({GPU_DURATIONS_FILE.relative_to(REPO_ROOT)})")
     args = parser.parse_args(argv)
-    known = measured(args.path)
+    if args.from_results:
+        known = {}
+        for path in args.from_results:
+            if not path.is_file():
+                parser.error(f"{path}: no such results file")
+            for nodeid, value in from_results(path).items():
+                known[nodeid] = max(known.get(nodeid, 0.0), value)
+        if args.write:
+            write(args.write, known, "seconds per GPU-lane cell of a GPU run's results, the longest over its sets: the order a "
+                                     "parallel GPU run hands tests out in (stackcheck.schedule)")
+    else:
+        known = measured(args.path)
     if not known:
         parser.error(f"{args.path}: no durations file (write one with {RECORD_OPTION}=PATH)")
     print(breakdown(known, max(args.workers, 1)))

@@ -149,3 +149,23 @@ def test_the_breakdown_names_the_floor_folders_and_longest_tests():
     assert text.startswith("3 tests over 0.5 s, 60 test-seconds; floor on 2 workers: 30 s")
     assert "     40 s  66.7%  tests/families" in text and "30.0 s  tests/families/test_a.py::test_x[cpu]" in text
     assert schedule.breakdown(seconds, workers=1).splitlines()[0].endswith("floor on 1 workers: 60 s")
+
+
+def test_longest_first_makespan_is_the_classic_schedule():
+    assert schedule.makespan([30.0, 10.0, 20.0], workers=2) == 30.0  # 30 | 20 + 10
+    assert schedule.makespan([5.0, 5.0, 4.0, 3.0, 3.0], workers=2) == 11.0  # 5+4 | 5+3+3 (longest first is not always optimal)
+    assert schedule.makespan([7.0], workers=4) == 7.0
+
+
+def test_gpu_durations_come_from_a_results_files_gpu_cells(tmp_path):
+    """The GPU lane's order comes from a GPU run's cells, the longest over its sets; the committed file is one the
+    ordering reads, and it names GPU cells only."""
+    cells = [{"test": "t.py::a[gpu-x]", "lane": "gpu", "seconds": 12.34, "set": "seed"},
+             {"test": "t.py::a[gpu-x]", "lane": "gpu", "seconds": 20.0, "set": "latest"},
+             {"test": "t.py::a[cpu-x]", "lane": "cpu", "seconds": 9.0, "set": "seed"},
+             {"test": "t.py::b[gpu-x]", "lane": "gpu", "seconds": 0.1, "set": "seed"},
+             {"test": "t.py::c[gpu-x]", "lane": "gpu", "seconds": None, "set": "seed"}]
+    (tmp_path / "matrix.json").write_text(json.dumps({"cells": cells}))
+    assert schedule.from_results(tmp_path / "matrix.json") == {"t.py::a[gpu-x]": 20.0}
+    committed = schedule.measured(schedule.GPU_DURATIONS_FILE)
+    assert committed and all("[gpu" in nodeid for nodeid in committed)
