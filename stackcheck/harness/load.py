@@ -419,23 +419,62 @@ def rows_span_blocks(module, quantization: Quantization) -> bool:
     return blocksize is not None and module.in_features % blocksize != 0
 
 
-# The user's skip list, as an axis of the load contract: transformers' defaults (no list), or the user's own list,
-# naming the first decoder layer's attention by its full path and the output head (a user's list replaces
-# transformers' defaults, so it must name the head again: `skip_modules_drop_default_skips`). In a hybrid model the
-# list also names the first attention of every other kind, so that each kind is skipped once (Qwen3-Next: the first
-# layer's Gated DeltaNet `linear_attn` and the first full-attention layer's `self_attn`).
-SKIPS = {"defaults": False, "attention0": True}
+# The user's skip list, as an axis of the load contract. Every list names the output head again (a user's list
+# replaces transformers' defaults, so it must: `skip_modules_drop_default_skips`), beside:
+# - `defaults`: no list, transformers' defaults;
+# - `attention0`: the first decoder layer's attention by its full path; in a hybrid model the first attention of every
+#   other kind too, so that each kind is skipped once (Qwen3-Next: `layers.0.linear_attn` and `layers.3.self_attn`);
+# - `inner`: inner linear layers by their bare names, `q_proj` and `v_proj` (bitsandbytes#1634's list, on every layer
+#   of the model, towers included): a layer of a quantized block left in 16 bits;
+# - `sibling`: the full path of a module whose name is a string prefix of a sibling's (Qwen3-Next's
+#   `layers.0.mlp.shared_expert` beside `layers.0.mlp.shared_expert_gate`, as transformers PR #47990's `mlp.gate` beside
+#   `mlp.gate_proj`): the entry names the one module, not its sibling. Not applicable on a model with no such pair.
+SKIPS = {"defaults": None, "attention0": "attention0", "inner": "inner", "sibling": "sibling"}
+INNER_SKIPS = ("q_proj", "v_proj")
 
 
-def skip_list(under_test: UnderTest, skip: bool) -> list[str] | None:
+def skip_list(under_test: UnderTest, skip: str | None) -> list[str] | None:
     """The `llm_int8_skip_modules` of a `SKIPS` value, read off the model's structure (built on meta)."""
     if not skip:
         return None
+    if skip not in SKIPS.values():
+        raise ValueError(f"unknown skip list '{skip}' (known: {', '.join(SKIPS)})")
     from stackcheck.harness.place import first_attention_of_each_kind, module_name
 
     with torch.device("meta"):
         skeleton = tiny.model_class(under_test.arch)(tiny.tiny_config(under_test.arch))
-    return [module_name(skeleton, skeleton.get_output_embeddings()), *first_attention_of_each_kind(skeleton)]
+    head = module_name(skeleton, skeleton.get_output_embeddings())
+    if skip == "attention0":
+        return [head, *first_attention_of_each_kind(skeleton)]
+    if skip == "inner":
+        names = {name.rpartition(".")[2] for name, _ in skeleton.named_modules()}
+        missing = [entry for entry in INNER_SKIPS if entry not in names]
+        if missing:
+            raise tiny.NotApplicable(f"{under_test.arch.name} has no module named {', '.join(missing)}")
+        return [head, *INNER_SKIPS]
+    prefixes = sibling_prefixes(skeleton)
+    if not prefixes:
+        raise tiny.NotApplicable(f"{under_test.arch.name} has no module whose name is a prefix of a sibling's")
+    return [head, prefixes[0]]
+
+
+def sibling_prefixes(model) -> list[str]:
+    """The full names of the modules whose name is a string prefix of a sibling module's (same parent) that holds a
+    linear layer: `mlp.shared_expert` beside `mlp.shared_expert_gate`, in module order."""
+    children: dict[str, list[str]] = {}
+    for name, _ in model.named_modules():
+        if name:
+            parent, _, child = name.rpartition(".")
+            children.setdefault(parent, []).append(child)
+    linears = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    found = []
+    for parent, names in children.items():
+        for child in names:
+            siblings = [other for other in names if other != child and other.startswith(child)]
+            full = [f"{parent}.{other}" if parent else other for other in siblings]
+            if any(s in linears or any(l.startswith(s + ".") for l in linears) for s in full):
+                found.append(f"{parent}.{child}" if parent else child)
+    return found
 
 
 # --- Placement by transformers' own device_map="auto" (the load contract) -------------------------------------------

@@ -10,6 +10,7 @@ import torch
 from stackcheck import scenario
 from stackcheck.harness import load
 from stackcheck.models import architectures
+from stackcheck.models.tiny import NotApplicable
 from stackcheck.scenario import ToleranceExceeded
 
 LLAMA3 = scenario.UnderTest(architectures.builtin()["llama3"], torch.device("cpu"))
@@ -52,7 +53,7 @@ def test_quantized_layers_fails_on_a_linear_bitsandbytes_did_not_replace(monkeyp
 
     monkeypatch.setattr(integrations, "replace_with_bnb_linear", replace_all_but_one)
     with pytest.raises(AssertionError, match=r"^1 weights meant for load_in_4bit stay in torch\.bfloat16: model\.layers\.\*\.mlp\.down_proj(\n|$)"):
-        family("load_quantized_layers").test_every_weight_meant_for_quantization_is_quantized(LLAMA3, "nf4", True, torch.bfloat16, False)
+        family("load_quantized_layers").test_every_weight_meant_for_quantization_is_quantized(LLAMA3, "nf4", True, torch.bfloat16, None, None)
 
 
 def test_quantized_layers_fails_when_the_skip_list_is_ignored(monkeypatch):
@@ -65,7 +66,11 @@ def test_quantized_layers_fails_when_the_skip_list_is_ignored(monkeypatch):
 
     monkeypatch.setattr(HfQuantizer, "get_modules_to_not_convert", staticmethod(ignoring_the_user))
     with pytest.raises(AssertionError, match=r"^llm_int8_skip_modules entries whose modules are quantized anyway: model\.layers\.0\.self_attn(\n|$)"):
-        family("load_quantized_layers").test_every_weight_meant_for_quantization_is_quantized(LLAMA3, "nf4", True, torch.bfloat16, True)
+        family("load_quantized_layers").test_every_weight_meant_for_quantization_is_quantized(LLAMA3, "nf4", True, torch.bfloat16, "attention0", None)
+    int8, skips = scenario.Quantization("int8"), load.skip_list(LLAMA3, "inner")
+    with pytest.raises(AssertionError, match=r"^4 LoRA layers do not wrap what the skip list asked \(load_in_8bit, skipped: model\.layers\.\*\.self_attn\.q_proj \(2\), "):
+        family("load_quantized_layers").peft_wraps_what_the_list_kept(LLAMA3, scenario.load_quantized(LLAMA3, int8, skip_modules=skips), int8, skips,
+                                                                      scenario.prompt(torch.device("cpu")))
 
 
 def test_quantized_outputs_fails_on_a_weight_transposed_while_loading(monkeypatch, prompt):
@@ -115,12 +120,32 @@ def test_auto_device_map_fails_when_module_sizes_are_undercounted(monkeypatch, t
         family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, NF4, 0.9, tmp_path / "offload", prompt)
 
 
+def test_auto_device_map_fails_when_the_budget_drifts_between_calls(monkeypatch, tmp_path, prompt):
+    """transformers PR #44565's class: memory counted differently on a later call gives the same model another map."""
+    import transformers.integrations.accelerate as hf_accelerate
+
+    balanced, calls = hf_accelerate.get_balanced_memory, []
+
+    def drifting(*args, **kwargs):
+        calls.append(1)
+        memory = balanced(*args, **kwargs)
+        return memory if len(calls) == 1 else {device: (size // 2 if device != "disk" else size) for device, size in memory.items()}
+
+    monkeypatch.setattr(hf_accelerate, "get_balanced_memory", drifting)
+    with pytest.raises(AssertionError, match=r"^device_map='auto' with the same model and max_memory gives another map on the second call: "):
+        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, NF4, 0.9, tmp_path / "offload", prompt)
+
+
 def test_skip_list_names_every_attention_kind_of_a_hybrid_model():
     """Qwen3-Next's Gated DeltaNet layers have `linear_attn`, no `self_attn`: the user's list names the first attention
     of each kind, and a layer whose attention cannot be told apart is an unreached scenario, never a guess."""
     qwen3next = scenario.UnderTest(architectures.builtin()["qwen3next"], torch.device("cpu"))
-    assert load.skip_list(qwen3next, True) == ["lm_head", "model.layers.0.linear_attn", "model.layers.3.self_attn"]
-    assert load.skip_list(LLAMA3, True) == ["lm_head", "model.layers.0.self_attn"]
+    assert load.skip_list(qwen3next, "attention0") == ["lm_head", "model.layers.0.linear_attn", "model.layers.3.self_attn"]
+    assert load.skip_list(LLAMA3, "attention0") == ["lm_head", "model.layers.0.self_attn"]
+    assert load.skip_list(LLAMA3, "inner") == ["lm_head", "q_proj", "v_proj"]
+    assert load.skip_list(qwen3next, "sibling") == ["lm_head", "model.layers.0.mlp.shared_expert"]
+    with pytest.raises(NotApplicable, match="prefix of a sibling"):
+        load.skip_list(LLAMA3, "sibling")
     from stackcheck.harness.place import layer_attention
 
     layer = torch.nn.Module()

@@ -23,6 +23,12 @@ PR #3512); reserved-but-unused CUDA memory counted late, different maps on the s
 #44565); `compute_module_sizes` missing leaf parameters, wrong maps (transformers PR #42290); MoE layers sized from
 the first no-split layer, maps over budget (transformers#46823, PR #47203).
 
+The same call, made again once the first model is released (a loop that reloads the model, an evaluation after
+training), gives the same map on the tight budget: the placement is a function of the model and the budget alone. In
+the GPU lane the second call sees the CUDA memory the first left reserved but unused in torch's caching allocator
+(proven before it runs): the state transformers PR #44565 counted too late, so that the same model and hardware got
+different maps. The CPU lane has no caching allocator: there it checks that nothing else carries over between calls.
+
 Axes, by pairs with the architecture: NF4 (double quant, bf16) and int8 (bf16); the budget that fits and the one that
 does not. Precondition proven, before the logits are compared: the tight placement kept part of the model on the main
 device (it offloaded the rest, or the budget check has failed). The fitting budget is also below the bf16 size, so that it tells a 4-bit plan from a 16-bit one, except where
@@ -36,6 +42,8 @@ the fitting budgets (1.5x footprints of 0.22 to 1.8 MB) kept every model whole; 
 4% (tiny Mixtral) to 62% (tiny Gemma 3) of the budget on the CPU and the rest on disk. The int8 cells that offload to
 disk meet two bugs this family found (ledger `int8_auto_map_disk_scb_popped`, `int8_offload_quantizes_on_gpu0`).
 """
+
+import gc
 
 import pytest
 import torch
@@ -72,3 +80,15 @@ def test_auto_device_map_honours_max_memory(under_test, quant, budget, offload_d
     scenario.require(len(elsewhere) < len(device_map), f"transformers placed nothing on {main} ({device_map})")
     error = scenario.relative_error(scenario.logits(model, prompt), scenario.logits(whole, prompt))
     scenario.assert_within("the placed model's logits against the model on one device: relative error", error, LOGIT_TOLERANCE)
+
+    # The same call again once the first model is released, as a loop that reloads it does: the same map.
+    del model
+    gc.collect()
+    if under_test.device.type == "cuda":
+        unused = torch.cuda.memory_reserved(under_test.device) - torch.cuda.memory_allocated(under_test.device)
+        scenario.require(unused > 0, "no reserved-but-unused CUDA memory is left by the first placement")
+        print(f"stackcheck measured: {unused} B reserved but unused on {main} before the second call")
+    _, again = scenario.auto_placed(under_test, quant, allowed, offload_dir / "again")
+    moved = sorted(name for name in set(device_map) | set(again) if device_map.get(name) != again.get(name))
+    assert not moved, (f"device_map='auto' with the same model and max_memory gives another map on the second call: "
+                       + ", ".join(f"{name or 'the whole model'} {device_map.get(name)} -> {again.get(name)}" for name in moved[:4]))
