@@ -37,7 +37,10 @@ Precondition proven: the load went through transformers' bitsandbytes quantizer 
 has weights meant for quantization. No tolerance: the property is structural. Measured (CPU, seed and latest, 21 cells
 a set): every layer kind of the dense architectures and Gemma 4 (towers included) quantized as asked, the skip list
 honoured; the tiny Mixtral and Qwen3-MoE keep their fused experts in the model's dtype on every quantization, 4-bit and
-8-bit (`bnb_fused_experts_unquantized`).
+8-bit (`bnb_fused_experts_unquantized`). The `inner` and `sibling` skip lists (CPU, seed, every architecture, 36
+cells): honoured and wrapped by PEFT as asked, except Gemma 4's towers, whose bare `q_proj` names a Gemma4ClippableLinear
+container and not the `linear` inside it (`skip_modules_match_nothing`), and Qwen3-Next's `shared_expert_gate`, left
+in 16 bits by the entry `model.layers.0.mlp.shared_expert` (`skip_modules_sibling_prefix`, transformers 5.0 to 5.20).
 """
 
 import pytest
