@@ -210,14 +210,22 @@ def rows_dataset(rows: list[list[int]]) -> list[dict[str, torch.Tensor]]:
     return [labelled(row) for row in rows]
 
 
-def one_process_sgd(model, batch: dict[str, torch.Tensor], steps: int, learning_rate: float) -> dict[str, torch.Tensor]:
+def one_process_sgd(model, batch: dict[str, torch.Tensor], steps: int, learning_rate: float,
+                    per_sequence: bool = False) -> dict[str, torch.Tensor]:
     """The reference of a data-parallel job: `steps` plain SGD steps in one process on the whole global batch; the
-    change of every LoRA weight, by plain name."""
+    change of every LoRA weight, by plain name. With `per_sequence`, each step's gradient is the mean of the
+    sequences' own gradients, each sequence a forward of its own (its loss over the batch size, accumulated): the same
+    mean over the batch, computed in the shapes the ranks of a data-parallel job compute it (one sequence each)."""
     before = lora_weights(model, "one_process")
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=learning_rate)
+    rows = len(batch["input_ids"])
     for _ in range(steps):
         optimizer.zero_grad()
-        model(**batch).loss.backward()
+        if per_sequence:
+            for row in range(rows):
+                (model(**{key: value[row:row + 1] for key, value in batch.items()}).loss / rows).backward()
+        else:
+            model(**batch).loss.backward()
         optimizer.step()
     after = lora_weights(model, "one_process")
     return {name: after[name] - before[name] for name in before}

@@ -49,9 +49,20 @@ Trainer's count of label tokens is then the same before and after the shift, so 
 it (train_equivalences' `trainer_num_items_unshifted`, an (L-1)/L scale) does not show here as this family's failure.
 
 Tolerance: the update (weights after - before, over the LoRA weights one process moves) against one process's, by
-relative error. The global mean over sequences of one length is the mean of the ranks' means, so the difference is
-summation order only: 1e-3 (fp32 LoRA weights, bf16 compute). A rank that trained alone, or a loss scaled by the world
-size, is off by order 1 (a 2x scale is 0.5).
+relative error: 1e-3. A rank that trained alone, or a loss scaled by the world size, is off by order 1 (a 2x scale is
+0.5). The global mean over sequences of one length is the mean of the ranks' means, but not in the same arithmetic:
+one process's forward of the whole batch runs its bf16 GEMMs in other shapes than a rank's forward of one sequence,
+and on a GPU cuBLAS then takes other kernels, whose bf16 roundings differ. The two-GPU run of session 13 (H100s,
+seed) read 0.0022 for accelerate's DDP loop at world size 2 (three SGD steps at rate 0.05) against one forward of the
+whole batch; latest read under 1e-3. Not the all-reduce: the sum of two ranks is one addition per element, the same
+whichever rank comes first. What the shapes can move is bounded by the bf16 compute's own effect, measured in one
+process on the CPU (seed, the same three steps): the update with bf16 compute is 0.025 off the update with fp32
+compute, so two bf16 computations may differ by up to 0.05, too wide a band to judge a data-parallel job by. So the
+DDP loop's reference is one process computing the same mean in the ranks' shapes (`one_process_sgd(per_sequence=True)`:
+each sequence its own forward, its loss over the batch size, the gradients accumulated): the ranks' kernels, halves
+exact in binary, the all-reduce's one addition the only difference left (on the CPU the two references differ by
+1.5e-6). The cell's result records its update against one forward of the whole batch too. The Trainer cells take one
+step and compare with one forward of the whole batch (they passed wherever they stepped, on both sets).
 
 CPU lane: the Trainer cell under DDP (two gloo ranks, 30 to 45 s on 2 shared cores). The Trainer under ZeRO-3 (DeepSpeed's
 CPU accelerator) and accelerate's DDP loop run on the CPU too, left out of the default run for their cost
@@ -153,8 +164,9 @@ def ddp_steps(device_map: str, launched: int) -> dict:
     accelerator = rank_side.accelerator()
     under_test = subject()
     rows = recipes.distinct_rows(world_size)
-    reference = recipes.one_process_sgd(recipes.fsdp_qlora_model(under_test), recipes.rows_batch(rows, under_test.device),
-                                        STEPS, LEARNING_RATE)
+    global_batch = recipes.rows_batch(rows, under_test.device)
+    reference = recipes.one_process_sgd(recipes.fsdp_qlora_model(under_test), global_batch, STEPS, LEARNING_RATE, per_sequence=True)
+    whole_batch = recipes.one_process_sgd(recipes.fsdp_qlora_model(under_test), global_batch, STEPS, LEARNING_RATE)
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     # The guides' map of the rank's GPU, `{"": local_rank}`; on the CPU lane the rank's device is the CPU.
@@ -180,7 +192,9 @@ def ddp_steps(device_map: str, launched: int) -> dict:
     after = recipes.lora_weights(accelerator.unwrap_model(model), "one_process")
     update = {name: after[name] - before[name] for name in before}
     worst = recipes.assert_same_update(f"DDP with device_map {placement!r} (base on {', '.join(devices)})", update, reference, TOLERANCE)
-    return {"worst_relative_error": worst, "base_devices": devices}
+    # For the record: against one process's forward of the whole batch (the same mean, other GEMM shapes in bf16).
+    against_whole_batch = max(scenario.relative_error(update[name], delta) for name, delta in whole_batch.items() if delta.any())
+    return {"worst_relative_error": worst, "against_one_forward_of_the_whole_batch": against_whole_batch, "base_devices": devices}
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2", "zero3"])
