@@ -1,5 +1,5 @@
 """Device memory, counted in the bytes torch's CUDA caching allocator hands out: what a model holds, the NF4
-arithmetic of a 4-bit layer, and a measurement that nothing else in the process disturbs. The building blocks of
+arithmetic of a 4-bit layer, and readings taken once unreachable garbage is collected. The building blocks of
 the memory contract (tests/contract/train/test_device_memory.py).
 
 Why exact bytes can be predicted: `torch.cuda.memory_allocated` sums the blocks live tensors occupy, each
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from stackcheck.harness.load import linear4bit_modules
+from stackcheck.harness.load import linear4bit_modules, quant_state_tensors
 from stackcheck.harness.proof import require
 from stackcheck.harness.subject import UnderTest
 
@@ -48,28 +48,20 @@ def tensor_storages(tensors, device: torch.device) -> dict[int, int]:
     """Distinct storages (by address) of `tensors` that live on `device`, with their sizes in bytes."""
     storages = {}
     for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and tensor.device == device:
-            storage = tensor.untyped_storage()
+        if isinstance(tensor, torch.Tensor) and tensor.device == device and tensor.untyped_storage().nbytes():
+            storage = tensor.untyped_storage()  # an empty one allocates nothing
             storages[storage.data_ptr()] = storage.nbytes()
     return storages
 
 
-def quant_state_tensors(state) -> list[torch.Tensor]:
-    """Every tensor of a bitsandbytes QuantState (with double quant, its nested state's too)."""
-    tensors = [state.absmax, state.code]
-    if state.nested:
-        tensors += [state.offset, state.state2.absmax, state.state2.code]
-    return [t for t in tensors if isinstance(t, torch.Tensor)]
-
-
 def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Every tensor a model holds: parameters, buffers, tensors kept as plain attributes of a module (a rotary
-    embedding's `original_inv_freq`), the quant states of its 4-bit layers and of bitsandbytes' parametrized weights."""
+    """Every tensor a model declares: parameters, buffers, the quant states of its 4-bit layers and of bitsandbytes'
+    parametrized weights. Not a tensor kept as a plain attribute (none on any tiny model, transformers 5.6.2 and 5.23.0): a copy a
+    library hangs on a module is what the footprint must see."""
     tensors = []
     for module in model.modules():
         tensors += [t for t in module._parameters.values() if t is not None]
         tensors += [t for t in module._buffers.values() if t is not None]
-        tensors += [t for t in vars(module).values() if isinstance(t, torch.Tensor)]
         state = getattr(module._parameters.get("weight"), "quant_state", None)  # not getattr(module, "weight"): a parametrized one dequantizes
         if state is not None:
             tensors += quant_state_tensors(state)
@@ -199,7 +191,7 @@ def warm_up_kernels(device: torch.device) -> None:
     del x, y
 
 
-def qlora_model(under_test: UnderTest, use_reentrant: bool | None, lora_seed: int = 0):
+def qlora_with_quantized_experts(under_test: UnderTest, use_reentrant: bool | None, lora_seed: int = 0):
     """PEFT's QLoRA recipe on the 4-bit base, with the fused experts of a mixture of experts quantized too
     (`quantize_fused_experts`): `prepare_model_for_kbit_training` with gradient checkpointing off (None) or on
     (`use_reentrant` True or False, as users pass it in gradient_checkpointing_kwargs), then a LoRA on the attention

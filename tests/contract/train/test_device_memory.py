@@ -121,7 +121,7 @@ def test_a_training_step_frees_what_it_allocates(under_test, checkpointing):
     memory.require_gpu(under_test)
     device = under_test.device
     memory.warm_up_kernels(device)
-    model, dequantized = memory.qlora_model(under_test, checkpointing)
+    model, dequantized = memory.qlora_with_quantized_experts(under_test, checkpointing)
     owners = memory.parametrized_4bit_owners(model)
     scenario.require(bool(owners) == bool(dequantized), f"{len(dequantized)} fused experts quantized, {len(owners)} modules "
                                                         "hold bitsandbytes' parametrized 4-bit weights")
