@@ -179,7 +179,7 @@ class Failure:
 
     @classmethod
     def from_exception(cls, exc: BaseException, not_reached: bool = False) -> Failure:
-        frames = tuple(f"{_short_path(f.filename)}:{f.name}" for f in traceback.extract_tb(exc.__traceback__)
+        frames = tuple(f"{short_path(f.filename)}:{f.name}" for f in traceback.extract_tb(exc.__traceback__)
                        if f.name not in COMPREHENSION_FRAMES)
         mro = tuple(k.__name__ for k in type(exc).__mro__)
         message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
@@ -211,7 +211,7 @@ class Failure:
         return f"{self.exception_type}: {first_line[:200]} @ {self.raising_frame}"
 
 
-def _short_path(filename: str) -> str:
+def short_path(filename: str) -> str:
     """The frame's file as every machine names it: under site-packages, the repository or the standard
     library (`stdlib/collections/__init__.py`, wherever the interpreter lives)."""
     path = filename.replace("\\", "/")
@@ -222,7 +222,11 @@ def _short_path(filename: str) -> str:
     if path.startswith(stdlib):
         return STDLIB_PREFIX + path[len(stdlib) :]
     root = str(REPO_ROOT).replace("\\", "/") + "/"
-    return path[len(root) :] if path.startswith(root) else path
+    if path.startswith(root):
+        return path[len(root) :]
+    # Another interpreter's standard library (a stack dump read on another machine): .../lib/python3.N/...
+    other_stdlib = re.search(r"/lib/python3\.\d+/(.+)$", path)
+    return STDLIB_PREFIX + other_stdlib.group(1) if other_stdlib else path
 
 
 @dataclass

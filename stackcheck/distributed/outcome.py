@@ -1,7 +1,8 @@
 """What each rank of a launched job ended with, and the one verdict of the cell: pure functions, no process.
 
 A rank passed, failed (its `ledger.Failure`, judged like any single-process failure), hung (the launcher's
-timeout ran out before it wrote an outcome: always `error`), died (exited or was killed without writing one: a
+timeout ran out before it wrote an outcome: `error`, unless the stack its main thread was stuck in is a known bug's,
+`hang_failure`), died (exited or was killed without writing one: a
 Failure built from its exit status and the tail of its output, judged by the ledger too) or was stopped (the
 launcher ended it after another rank failed: no verdict of its own).
 """
@@ -15,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
-from stackcheck.ledger import ERROR, PASS, SEVERITY, Failure, Judgement
+from stackcheck.ledger import ERROR, KNOWN_BUG, PASS, SEVERITY, Failure, Judgement, short_path
 
 
 class RankState(StrEnum):
@@ -63,6 +64,30 @@ def hang_message(rank: int, seconds: float | None) -> str:
     return f"rank {rank} hung after {seconds:.0f} s"
 
 
+HANG_EXCEPTION = "RankHung"
+_STACK_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+ in (?P<function>\S+)\s*$')
+
+
+def stuck_frames(stacks: str | None) -> tuple[str, ...]:
+    """The frames ("path:function", innermost last, as a Failure's) of the thread the rank's stack dump was taken in
+    (faulthandler's "Current thread": the main thread, where the launcher's signal lands); none where there is none."""
+    if not stacks or "Current thread" not in stacks:
+        return ()
+    block = stacks.split("Current thread", 1)[1].split("\n\n", 1)[0]
+    found = [m for m in map(_STACK_FRAME.match, block.splitlines()) if m]
+    return tuple(f"{short_path(m['file'])}:{m['function']}" for m in reversed(found))
+
+
+def hang_failure(outcome: RankOutcome) -> Failure | None:
+    """A hung rank as a Failure the ledger can match (exception RankHung, the hang's message, the frames it was stuck
+    in), where its stacks say where: a hang whose raising frame (the innermost outside torch, the standard library
+    and the harness) is a known bug's is that bug, whichever family reached it."""
+    frames = stuck_frames(outcome.stacks)
+    if not frames:
+        return None
+    return Failure(HANG_EXCEPTION, (HANG_EXCEPTION,), hang_message(outcome.rank, outcome.seconds), frames)
+
+
 # A collective that failed because a peer's process is gone: gloo's TCP pair reads the connection closed or reset (at
 # once, on the CPU lane), NCCL reports the remote process or aborts the communicator.
 PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|remote process exited|NCCL communicator was aborted")
@@ -106,7 +131,13 @@ def judge_rank(outcome: RankOutcome, judge: Callable[[Failure], Judgement]) -> J
     if outcome.state == RankState.STOPPED:
         return None
     if outcome.state == RankState.HUNG:
-        return Judgement(ERROR, signature=hang_message(outcome.rank, outcome.seconds), note="rank hung; its stacks are in the cell")
+        failure = hang_failure(outcome)
+        if failure is not None:
+            known = judge(failure)
+            if known.verdict == KNOWN_BUG:  # only a known bug: an unknown hang stays the harness's error, as before
+                return replace(known, note=f"rank hung in {failure.raising_frame}, a known bug's frame; its stacks are in the cell")
+        where = f" in {failure.raising_frame}" if failure is not None else ""
+        return Judgement(ERROR, signature=hang_message(outcome.rank, outcome.seconds), note=f"rank hung{where}; its stacks are in the cell")
     return judge(outcome.failure)
 
 

@@ -200,8 +200,10 @@ def test_a_hung_rank_is_an_error_with_its_stacks_and_every_process_is_reaped(tmp
     hung = outcomes[1]
     assert hung.state == RankState.HUNG and hung.seconds == HANG_TIMEOUT
     assert "rank_one_hangs" in hung.stacks
-    judgement, records = judge_ranks(outcomes, judge=lambda failure: pytest.fail("a hang is not judged by the ledger"))
-    assert judgement.verdict == ERROR and judgement.signature == f"rank 1 hung after {HANG_TIMEOUT:.0f} s"
+    asked = []
+    judgement, records = judge_ranks(outcomes, judge=lambda failure: asked.append(failure) or Judgement(NEW_FAILURE, signature=failure.signature()))
+    assert judgement.verdict == ERROR and judgement.signature == f"rank 1 hung after {HANG_TIMEOUT:.0f} s"  # no known bug's hang
+    assert [f.exception_type for f in asked] == ["RankHung"] and asked[0].raising_frame.endswith("test_distributed.py:rank_one_hangs")
     assert "rank_one_hangs" in records[1]["stacks"]
     assert no_process_of(tmp_path / "job")
 
@@ -366,3 +368,50 @@ def test_a_family_cell_combines_its_ranks_through_the_plugin(tmp_path):
     assert known["ranks"][0]["result"] == {"rank": 0}
     skipped = cells["tests/families/test_dist_probe.py::test_probe[cpu-ws1]"]
     assert (skipped["verdict"], skipped["note"]) == ("skipped", "Skipped: CPU lane: the gloo variant runs 2 ranks")
+
+
+# A hung rank judged by where it was stuck (pure, the real ledger).
+
+HUNG_IN_PEFT_SAVE = """Thread 0x00007f3062dde6c0 (most recent call first):
+  File "/usr/lib/python3.12/threading.py", line 359 in wait
+
+Current thread 0x00007f3363b06140 (most recent call first):
+  File "/opt/torch/.venv/lib/python3.12/site-packages/torch/distributed/fsdp/_flat_param.py", line 2494 in flat_param_to
+  File "/usr/lib/python3.12/contextlib.py", line 137 in __enter__
+  File "/opt/torch/.venv/lib/python3.12/site-packages/torch/nn/modules/module.py", line 2266 in state_dict
+  File "/env/lib/python3.12/site-packages/peft/utils/save_and_load.py", line 189 in get_peft_model_state_dict
+  File "/opt/torch/.venv/lib/python3.12/site-packages/accelerate/utils/fsdp_utils.py", line 153 in save_fsdp_model
+  File "/env/lib/python3.12/site-packages/transformers/trainer.py", line 3556 in _save_optimizer_and_scheduler
+"""
+RESUME_TEST = "test_a_resumed_job_continues_the_uninterrupted_one[gpu-ws2-fsdp1-full-modules_to_save]"
+
+
+def judge_hang(stacks: str, test: str = RESUME_TEST, peft: str = "0.21.2") -> Judgement:
+    from stackcheck.ledger import Ledger
+
+    ledger = Ledger()
+    versions = {"torch": "2.11.0", "transformers": "5.23.0", "peft": peft, "accelerate": "1.15.0", "bitsandbytes": "0.50.2"}
+    return judge_rank(RankOutcome(0, RankState.HUNG, seconds=180.0, stacks=stacks),
+                      judge=lambda failure: ledger.judge("sharded_resume", test, versions, failure))
+
+
+def test_a_hung_rank_stuck_in_a_known_bugs_frame_is_that_bug():
+    """The FSDP1 full-state-dict save of a modules_to_save adapter hung on two H100s, both ranks' main threads under
+    PEFT's get_peft_model_state_dict: judged by that frame, the hang is the known bug; stuck anywhere else, or in a
+    version the bug does not cover, it stays the harness's error, never a new failure filed under a guess."""
+    assert outcome_frames() == ("transformers/trainer.py:_save_optimizer_and_scheduler", "accelerate/utils/fsdp_utils.py:save_fsdp_model",
+                                "peft/utils/save_and_load.py:get_peft_model_state_dict", "torch/nn/modules/module.py:state_dict",
+                                "stdlib/contextlib.py:__enter__", "torch/distributed/fsdp/_flat_param.py:flat_param_to")
+    known = judge_hang(HUNG_IN_PEFT_SAVE)
+    assert (known.verdict, known.bug) == (KNOWN_BUG, "peft_fsdp1_full_state_dict_modules_to_save_hang")
+    elsewhere = judge_hang(HUNG_IN_PEFT_SAVE.replace("peft/utils/save_and_load.py", "peft/tuners/lora/layer.py"))
+    assert (elsewhere.verdict, elsewhere.signature) == (ERROR, "rank 0 hung after 180 s")
+    assert "peft/tuners/lora/layer.py:get_peft_model_state_dict" in elsewhere.note
+    assert judge_hang(HUNG_IN_PEFT_SAVE, peft="0.18.1").verdict == ERROR  # before the bug's range
+    assert judge_hang("no stacks were written").verdict == ERROR
+
+
+def outcome_frames() -> tuple[str, ...]:
+    from stackcheck.distributed.outcome import stuck_frames
+
+    return stuck_frames(HUNG_IN_PEFT_SAVE)
