@@ -25,6 +25,7 @@ from stackcheck import REPO_ROOT
 from stackcheck.harness.load import first_nested_linear4bit
 from stackcheck.harness.subject import UnderTest
 from stackcheck.harness.train import TRAINING_IDS, kbit_lora_model, load_base_in, lora_parameters
+from stackcheck.harness.trainer import one_device
 
 MAX_STEPS = 4
 SAVE_STEPS = 2  # the checkpoint a resume starts from: checkpoint-2
@@ -128,6 +129,7 @@ def qlora_trainer(under_test: UnderTest, output_dir: Path, optim: str):
         optim=optim, logging_steps=1, save_strategy="steps", save_steps=SAVE_STEPS, seed=SEED, report_to="none",
         use_cpu=under_test.device.type == "cpu", dataloader_num_workers=0,
     )
+    one_device(args, under_test.device)  # the fresh process too: it sees the GPUs this one sees
     record = Record()
     trainer = Trainer(model=model, args=args, train_dataset=training_samples(), callbacks=[make_recorder(model, record)])
     return trainer, record

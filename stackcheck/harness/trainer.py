@@ -18,6 +18,21 @@ from stackcheck.models import tiny
 LORA_SEED = 0
 
 
+def one_device(args, device: torch.device):
+    """`args` (transformers' TrainingArguments, or TRL's configs built on them) as the one-device user's Trainer runs
+    them on `device`, the lane's: as on a one-GPU host, or with CUDA_VISIBLE_DEVICES of one GPU. A process that sees
+    several GPUs without a distributed launcher makes the Trainer count them all (`n_gpu`) and wrap the model in
+    `nn.DataParallel`, multiplying the batch and gathering one loss per GPU (TRL's trainers refuse it), which is the
+    one-process multi-GPU scenario of the distributed families (data_parallel_training), not the one-device user's.
+    The Trainer narrows the count the same way itself for a model split by a device map (`args._n_gpu = 1`). Proves
+    the Trainer counts at most one GPU; returns `args`."""
+    if device.type == "cuda":
+        _ = args.device  # sets the devices up (and _n_gpu to every GPU the process sees) before the count is narrowed
+        args._n_gpu = 1
+    require(args.n_gpu <= 1, f"the Trainer sees {args.n_gpu} GPUs")
+    return args
+
+
 def lora_model(under_test: UnderTest, quantized: bool = True, checkpointing: bool | None = None, **lora):
     """PEFT's QLoRA recipe on a fresh base (NF4 with double quant, or bf16): `prepare_model_for_kbit_training` with
     gradient checkpointing off (`checkpointing` None) or on (True: reentrant, False: non-reentrant), then a LoRA of
@@ -98,14 +113,7 @@ def trainer_first_step(under_test: UnderTest, output_dir: Path, batch_size: int,
         learning_rate=1e-2, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=under_test.device.type == "cpu",
     )
-    # The one-device user's Trainer (the lane's device), as on a one-GPU host or with CUDA_VISIBLE_DEVICES=0: on a host
-    # with more GPUs visible the Trainer multiplies the batch and the loss by their count, which is the one-process
-    # multi-GPU scenario of the distributed families (data_parallel_training), not this one. The Trainer does the same
-    # itself for a model-parallel model (`args._n_gpu = 1`).
-    if under_test.device.type == "cuda":
-        _ = args.device  # sets the devices up (and _n_gpu to every GPU it sees) before the count is narrowed
-        args._n_gpu = 1
-    require(args.n_gpu <= 1, f"the Trainer sees {args.n_gpu} GPUs")
+    one_device(args, under_test.device)
     dataset = [{"input_ids": list(TRAINING_IDS[0]), "labels": row} for row in UNEVEN_LABELS]
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
     trainer.train()
@@ -115,3 +123,34 @@ def trainer_first_step(under_test: UnderTest, output_dir: Path, batch_size: int,
     updates = {name: (p.detach() - start[name]).float().cpu() for name, p in lora.items()}
     counted = bool(trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None)
     return FirstStep(updates, losses[0], recomputed, [shifted_label_tokens(row) for row in UNEVEN_LABELS], counted)
+
+
+def batching_floor(under_test: UnderTest) -> float:
+    """What the batch's shape alone does to the LoRA gradient on the lane's device: the largest relative difference
+    (over the LoRA tensors) between the gradient of the two unevenly labelled sequences as one batch and as two
+    micro-batches of one, both by hand (no Trainer) with the right denominator (every label token of the batch). In
+    exact arithmetic it is 0, and on a CPU nearly so (its kernels compute each row alike whatever the batch); a GPU
+    picks its matrix-product kernels (tiles, split reductions in bf16) by shape, so the same sums round otherwise.
+    The Trainer's accumulation runs these same shapes, so this is how far it may be from one batch without a bug."""
+    model = lora_model(under_test)
+    lora = {name: p for name, p in model.named_parameters() if "lora_" in name}
+    ids = torch.tensor([TRAINING_IDS[0]] * 2, device=under_test.device)
+    labels = torch.tensor(UNEVEN_LABELS, device=under_test.device)
+    total = sum(shifted_label_tokens(row) for row in UNEVEN_LABELS)
+
+    def backward(rows: slice) -> None:
+        logits = model(input_ids=ids[rows]).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[rows, 1:].flatten(), ignore_index=-100, reduction="sum")
+        (loss / total).backward()
+
+    def gradients() -> dict[str, torch.Tensor]:
+        return {name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu().clone() for name, p in lora.items()}
+
+    backward(slice(0, 2))
+    one_batch = gradients()
+    model.zero_grad(set_to_none=True)
+    backward(slice(0, 1))
+    backward(slice(1, 2))
+    accumulated = gradients()
+    require(any(g.any() for g in one_batch.values()), "no LoRA tensor got a gradient by hand")
+    return max(((accumulated[name] - g).norm() / g.norm()).item() for name, g in one_batch.items() if g.any())

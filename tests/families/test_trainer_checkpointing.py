@@ -40,6 +40,7 @@ import pytest
 import torch
 
 from stackcheck import scenario
+from stackcheck.harness.trainer import one_device
 from stackcheck.models import tiny
 
 STEPS = 3
@@ -86,6 +87,7 @@ def test_trainer_with_gradient_checkpointing_trains_every_lora_weight(under_test
         gradient_checkpointing=True, gradient_checkpointing_kwargs=checkpointing_kwargs,
         save_strategy="no", report_to="none", use_cpu=under_test.device.type == "cpu",
     )
+    one_device(args, under_test.device)  # the one-device user's Trainer, not nn.DataParallel over every GPU seen
     trainer = Trainer(model=model, args=args, train_dataset=training_dataset())
     seen = scenario.CheckpointingSeen(model)
     try:

@@ -35,6 +35,7 @@ import torch
 
 from stackcheck import scenario
 from stackcheck.harness import trainers
+from stackcheck.harness.trainer import one_device
 from stackcheck.models import tiny
 
 STEPS = 4
@@ -45,9 +46,11 @@ RELOAD_TOLERANCE = 0.05
 def sft_config(output_dir, device):
     from trl import SFTConfig
 
-    return SFTConfig(output_dir=str(output_dir), max_steps=STEPS, per_device_train_batch_size=2, learning_rate=LEARNING_RATE,
-                     logging_steps=1, save_strategy="no", report_to="none", max_length=64, seed=0,
-                     use_cpu=device.type == "cpu", dataloader_num_workers=0)
+    # The one-device user's run on the lane's device (with several GPUs visible the Trainer would use nn.DataParallel,
+    # which TRL refuses: the one-process multi-GPU scenario is data_parallel_training's).
+    return one_device(SFTConfig(output_dir=str(output_dir), max_steps=STEPS, per_device_train_batch_size=2, learning_rate=LEARNING_RATE,
+                                logging_steps=1, save_strategy="no", report_to="none", max_length=64, seed=0,
+                                use_cpu=device.type == "cpu", dataloader_num_workers=0), device)
 
 
 def dataset(under_test):
