@@ -36,7 +36,7 @@ measures that on its device (`trainer.batching_floor`: one batch against two mic
 right denominator) and allows twice it where that exceeds 1e-3. Measured on the CPU (seed): the floor 8.6e-8 to
 1.2e-7, the Trainer's accumulation 6.3e-7 to 2.3e-6 (tiny Llama 3, Gemma 3, Phi-4). On two H100s (torch 2.11, before
 this floor), the Trainer's accumulation was off by 0.0017 to 0.0043 on Gemma 3, Phi-4 and Qwen3-Next with the label
-tokens counted (1.7 bf16 roundings at most, 2^-8 = 0.0039) and 0.0245 on multimodal Gemma 3 (latest): the floor
+tokens counted (at most 1.1 times bf16's epsilon, 2^-8 = 0.0039) and 0.0245 on multimodal Gemma 3 (latest): the floor
 tells the kernels from the Trainer there (docs/contract-gpu-run.md).
 The reported loss against the recomputed one: bf16 logits summed in another order, measured below 1e-3 relative
 (transformers 5.23.0); a failure also reports the ratio of the two, which a denominator's mechanism fixes: counting
