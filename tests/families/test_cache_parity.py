@@ -82,5 +82,5 @@ def test_generate_cached_logits_match_full_forward(under_test, quantized, prompt
 
     full = model(input_ids=out.sequences[:, :-1], use_cache=False).logits[0, prompt.shape[1] - 1 :].float().cpu()
 
-    assert_cache_parity("generate's cached logits diverge from a full forward", scenario.relative_error(full, stepwise),
+    assert_cache_parity(f"generate's cached logits diverge from a full forward ({scenario.base_kind(quantized)})", scenario.relative_error(full, stepwise),
                         judged_by=scenario.share_past_the_first(stepwise, full))

@@ -18,7 +18,12 @@ Tolerance: 0.01 relative error, judged by where the divergence sits (`share_past
 first position for a decode-only kernel, about (n - 1) / n for a forward wrong at every position). Measured on the
 CPU: 0.0000 in every cell, seed and latest, seven architectures; cache_parity measured the bugs at 0.43 to 0.53
 (5.5.1) and 0.0135 to 0.0298 (CUDA, bitsandbytes < 0.50). Sequences stay under 16 tokens, where torch's CPU bf16
-attention switches kernels (cache_parity).
+attention switches kernels (cache_parity). Multimodal Gemma 3 through its PeftModel (all-linear targets) is the
+exception: 0.0080 on the CPU in bf16 with either cache (seed), all of it past the first position, 0.0 without the
+adapter, and 6.8e-7 with the same weights in fp32: the cache's logic is right, and one token's float32 LoRA product
+rounds otherwise in bf16 than the full sequence's. On two H100s it measured 0.0121 (static cache, seed and latest):
+a bf16 GPU cell past the tolerance therefore also prints the same cell in fp32, for the record (docs/contract-gpu-run.md).
+The bitsandbytes bug is filed by the base's kind in the message: "4-bit base" cells only.
 """
 
 import pytest
@@ -53,8 +58,9 @@ def require_cache(cache, implementation) -> None:
         scenario.require("Static" in type(cache).__name__, f"generate decoded from a {type(cache).__name__}, not a static cache")
 
 
-def assert_cached_decoding_matches(error: float, judged_by) -> None:
-    scenario.assert_within("generate's cached logits diverge from a full forward: relative error", error, CACHE_TOLERANCE, judged_by)
+def assert_cached_decoding_matches(error: float, judged_by, quantized: bool) -> None:
+    scenario.assert_within(f"generate's cached logits diverge from a full forward ({scenario.base_kind(quantized)}): relative error", error,
+                           CACHE_TOLERANCE, judged_by)
 
 
 @pytest.mark.axes(cache=CACHE, quantization=QUANTIZATION, adapter=ADAPTER)
@@ -65,4 +71,12 @@ def test_cached_decoding_matches_uncached(under_test, cache, quantization, adapt
     stepwise, full, used = scenario.cached_and_full_logits(model, prompt, NEW_TOKENS, **kwargs)
 
     require_cache(used, cache)
-    assert_cached_decoding_matches(scenario.relative_error(full, stepwise), scenario.share_past_the_first(stepwise, full))
+    error = scenario.relative_error(full, stepwise)
+    if error > CACHE_TOLERANCE and not quantization and under_test.device.type == "cuda":
+        # What the cache's logic does without bf16's rounding: the same weights in fp32 (torch's fp32 matmuls, no TF32).
+        # A cache that is wrong stays wrong in fp32; kernels that only round otherwise for one token do not. Printed for
+        # the record of a GPU run (docs/contract-gpu-run.md), not judged.
+        fp32 = model_under_test(under_test, quantization, adapter).float()  # a fresh one: generate keeps its static cache
+        again, reference, _ = scenario.cached_and_full_logits(fp32, prompt, NEW_TOKENS, **kwargs)
+        print(f"stackcheck measured: the same cell in fp32: relative error {scenario.relative_error(reference, again):.3g}")
+    assert_cached_decoding_matches(error, scenario.share_past_the_first(stepwise, full), quantization)
