@@ -20,8 +20,8 @@ CPU: 0.0000 in every cell, seed and latest, seven architectures; cache_parity me
 (5.5.1) and 0.0135 to 0.0298 (CUDA, bitsandbytes < 0.50). Sequences stay under 16 tokens, where torch's CPU bf16
 attention switches kernels (cache_parity). Multimodal Gemma 3 through its PeftModel (all-linear targets) is the
 exception: 0.0080 on the CPU in bf16 with either cache (seed), all of it past the first position, 0.0 without the
-adapter, and 6.8e-7 with the same weights in fp32: the cache's logic is right, and one token's float32 LoRA product
-rounds otherwise in bf16 than the full sequence's. On two H100s it measured 0.0121 (static cache, seed and latest):
+adapter, and 6.8e-7 with the same weights in fp32: the cache's logic is right, and the adapter's path for one token
+rounds otherwise in bf16 than for the full sequence. On two H100s it measured 0.0121 (static cache, seed and latest):
 a bf16 GPU cell past the tolerance therefore also prints the same cell in fp32, for the record (docs/contract-gpu-run.md).
 The bitsandbytes bug is filed by the base's kind in the message: "4-bit base" cells only.
 """
