@@ -45,9 +45,17 @@ docs/contract-train-checkpoint.md: PagedAdamW (32-bit) 1.1e-6 (Llama 3, Qwen3) t
 element; AdamW8bit and PagedAdamW8bit (identical on the CPU, which does not page) 0.0086 (Qwen3) to 0.017 (Gemma 4,
 multimodal Gemma 3) over the represented elements (0.016 to 0.33 over every element). TOLERANCE: 1e-3 for 32 bits, 0.1
 for 8 bits. A bitsandbytes step counter that does not advance (the guard) measures 0.45.
+
+The rounding floor of the device and model: how far torch's fused AdamW (another correct implementation of the same
+float32 arithmetic) lands from torch's default one; a cell allows FLOOR_FACTOR (10) times it where that exceeds
+TOLERANCE. Measured on the CPU (latest): floor 1.3e-6 (Llama 3) and 4.1e-5 (multimodal Gemma 3), against which
+bitsandbytes' PagedAdamW (32-bit) measures 0.86 and 4.1 times it (1.1e-6, 1.7e-4). On two H100s (seed, bitsandbytes
+0.49.2's CUDA kernel, before this floor) multimodal Gemma 3's PagedAdamW measured 1.3e-3, past 1e-3; its GPU floor is
+what the cell now prints.
 """
 
 import functools
+import math
 
 import pytest
 import torch
@@ -57,6 +65,7 @@ from stackcheck import scenario
 STEPS = 3
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 TOLERANCE = {32: 1e-3, 8: 0.1}
+FLOOR_FACTOR = 10
 # How far below its tensor's largest an element's gradient scale may be for an 8-bit state to represent it.
 DYNAMIC_RANGE = 100.0
 # bitsandbytes' default compute dtype: see the module's docstring for why not bf16.
@@ -78,6 +87,7 @@ class Run:
         self.reference: dict[str, torch.Tensor] = {}
         self.reference_losses: list[float] = []
         self.represented: dict[str, torch.Tensor] = {}
+        self.floor: float | None = None
 
     def train(self, make_optimizer):
         """STEPS steps from the starting weights: the LoRA weights after them, the losses, the optimizer."""
@@ -100,6 +110,17 @@ class Run:
                 self.represented[name] = scale >= scale.max() / DYNAMIC_RANGE
         still = [name for name, p in self.reference.items() if torch.equal(p, self.start[name])]
         scenario.require(not still, f"torch's AdamW did not move {len(still)} of {len(self.lora)} LoRA tensors")
+
+    def rounding_floor(self) -> float:
+        """How far another correct implementation of the same float32 AdamW lands from torch's default on this device
+        and model: torch's fused AdamW (one kernel, its own order of operations) against it, worst LoRA tensor over
+        every element. Roundings that differ in the last bit change the next forward's gradients, and Adam, which
+        normalizes each element's step, carries that into the steps of the elements of small gradients."""
+        if self.floor is None:
+            self.torch_adamw()
+            fused, _losses, _optimizer = self.train(lambda params: torch.optim.AdamW(params, **ADAMW, fused=True))
+            self.floor = max(update_errors(self, fused).values())
+        return self.floor
 
 
 @functools.cache
@@ -134,6 +155,14 @@ def test_bnb_optimizer_tracks_torch_adamw(under_test, optimizer):
     name, whole = max(errors, key=errors.get), max(every, key=every.get)
     print(f"stackcheck measured: worst relative error {errors[name]:.2e} ({name}); over every element {every[whole]:.2e} ({whole}); "
           f"losses {[round(x, 5) for x in losses]}, torch's AdamW {[round(x, 5) for x in run.reference_losses]}")
+    floor = run.rounding_floor()
+    print(f"stackcheck measured: torch's fused AdamW against its default (the rounding floor) {floor:.2e}")
     judged = "represented elements" if bits == 8 else "elements"
     scenario.assert_within(f"bitsandbytes' {optimizer} drifts from torch's AdamW over {STEPS} steps: worst LoRA tensor's relative error "
-                           f"(its {judged})", errors[name], TOLERANCE[bits])
+                           f"(its {judged})", errors[name], tolerance(bits, floor))
+
+
+def tolerance(bits: int, floor: float) -> float:
+    """TOLERANCE[bits], or FLOOR_FACTOR times the rounding floor of this device and model where that is more (rounded
+    up to 4 decimals): bitsandbytes' kernel is a third implementation of the same arithmetic."""
+    return max(TOLERANCE[bits], math.ceil(FLOOR_FACTOR * floor * 1e4) / 1e4)
