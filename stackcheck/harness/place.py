@@ -166,7 +166,7 @@ def towers_offloaded_base(under_test: UnderTest, offload_dir: Path):
 MAIN_DEVICE_SHARE = 0.25
 
 
-def memory_pressure(under_test: UnderTest, model, fraction: float = 0.5) -> dict:
+def memory_pressure(under_test: UnderTest, model, fraction: float = 0.5, mapped=None) -> dict:
     """A `max_memory` whose main-device budget holds only part of the model, forcing the rest off it: the seed
     user's 12 GB GPU, reproduced on any device. The budget is `fraction` of the model, or the least tenth above it
     with which accelerate's own `infer_auto_device_map` (as PEFT's redispatch calls it) keeps `MAIN_DEVICE_SHARE`
@@ -177,9 +177,18 @@ def memory_pressure(under_test: UnderTest, model, fraction: float = 0.5) -> dict
     (4-7%) up to 0.9, as accelerate holds room for the largest layer beside what it places, so the search goes on
     to 0.95, 0.97 and 0.99, still under the whole model: Qwen3-MoE keeps 50% from 0.95, Mixtral from 0.97 (their
     second layer, 4-bit attention included, goes to the offload device). On a GPU the CPU gets room for the overflow, as the user's did; without a CPU budget accelerate would
-    send it to disk."""
+    send it to disk.
+
+    `mapped`: the model the budget's map is asked of instead, where another model than `model` will be dispatched
+    with it (PEFT's redispatch maps the PeftModel, its LoRA layers added). On the GPU lane a budget fitted to the base
+    alone can hold less than the PeftModel's first module and largest layer, and accelerate then maps all of it to
+    the CPU ({'': 'cpu'}: the tiny Phi-4 with its all-linear adapter, both sets, two H100s): a legal map that offloads
+    nothing. On the CPU lane the same overflow goes to disk, which reaches the whole-disk-map bugs, so the CPU lane's
+    callers fit the budget to the base. Asked of `mapped`, any share on the main device will do: the tiny Phi-4's
+    PeftModel keeps its embedding (24.5%) there from 0.7 (CPU check), its two decoder layers (38% each) going off it."""
     from accelerate.utils import compute_module_sizes, get_max_memory, infer_auto_device_map
 
+    model = model if mapped is None else mapped
     main, sizes = under_test.device, compute_module_sizes(model)
     for share in (fraction, *(step / 10 for step in range(int(fraction * 10) + 1, 10)), 0.95, 0.97, 0.99):
         budget = {device_key(main): int(sizes[""] * share)}
@@ -188,7 +197,9 @@ def memory_pressure(under_test: UnderTest, model, fraction: float = 0.5) -> dict
         # As PEFT's redispatch calls it: a list (accelerate < 1.15 reads a set, transformers 5's type, as one class name).
         placed = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=list(model._no_split_modules))
         on_main = sum(sizes[name] for name, device in placed.items() if device == device_key(main))
-        if on_main >= MAIN_DEVICE_SHARE * sizes[""]:
+        # Asked of the model that will be dispatched, any real share is the scenario; asked of the base, the share
+        # leaves room for PEFT's larger model.
+        if on_main >= (MAIN_DEVICE_SHARE * sizes[""] if mapped is None else 1):
             return budget
     raise ScenarioNotReached(f"no budget under the whole model keeps {MAIN_DEVICE_SHARE:.0%} of it on {main}: its layers are too coarse to split")
 

@@ -33,9 +33,13 @@ def test_state_dict_after_accelerate_offload_to_meta(under_test):
 def test_peft_load_on_split_4bit_base_under_memory_pressure(under_test, offload_dir, prompt):
     """The seed's call, with the main device's budget cut so PEFT's redispatch must offload 4-bit layers.
     On the GPU lane the base is the seed's own split load, and the reference is the all-GPU run."""
-    reference = scenario.decode(scenario.peft_load(under_test, scenario.load_base(under_test), "language"), prompt)
+    unsplit = scenario.peft_load(under_test, scenario.load_base(under_test), "language")
+    reference = scenario.decode(unsplit, prompt)
     base = scenario.split_base(under_test, offload_dir / "base")
-    pressure = scenario.memory_pressure(under_test, base)
+    # On a GPU the budget is fitted to the model PEFT maps (the PeftModel): fitted to the base, it can leave the GPU
+    # nothing, and the whole model goes to the CPU without an offload (scenario.memory_pressure).
+    pressure = scenario.memory_pressure(under_test, base, mapped=unsplit if under_test.device.type == "cuda" else None)
+    del unsplit
 
     model = scenario.peft_load(under_test, base, "language", max_memory=pressure, offload_dir=str(offload_dir / "peft"))
     scenario.require_offloaded_linear4bit(model, scenario.offload_device(under_test.device))
