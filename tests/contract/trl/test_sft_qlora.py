@@ -41,6 +41,7 @@ from stackcheck.models import tiny
 STEPS = 4
 LEARNING_RATE = 1e-2
 RELOAD_TOLERANCE = 0.05
+READY_STEPS = 2  # the ready-PeftModel cell: a frozen adapter shows at the first step
 
 
 def sft_config(output_dir, device):
@@ -124,3 +125,37 @@ def test_sft_qlora_trains_the_adapter_and_it_reloads(under_test, tmp_path):
     scenario.assert_within("the reloaded SFT adapter's effect differs from the trained one: relative error", error,
                            RELOAD_TOLERANCE, judged_by=("of the trained effect kept", scenario.effect_kept(
                                adapter_effect(reloaded, batch), trained, torch.zeros_like(trained))))
+
+
+def test_sft_trains_a_ready_peft_model_on_a_kbit_base(under_test, tmp_path):
+    """The other way in: the user prepares the 4-bit base (`prepare_model_for_kbit_training`), wraps it with
+    `get_peft_model`, and hands SFTTrainer the PeftModel with no `peft_config`. SFTTrainer must train that adapter:
+    every LoRA tensor trainable and moved, a non-zero gradient norm at every step. trl <= 0.23 ran
+    `prepare_model_for_kbit_training` again on the PeftModel, which froze every LoRA tensor (trl#3926): grad norm 0, no
+    learning, no error."""
+    from peft import PeftModel, get_peft_model, prepare_model_for_kbit_training
+    from trl import SFTTrainer
+
+    base = scenario.load_base(under_test)
+    scenario.first_nested_linear4bit(base)
+    model = get_peft_model(prepare_model_for_kbit_training(base), tiny.lora_config(under_test.arch, "language"))
+    asked = [name for name, p in model.named_parameters() if "lora_" in name and p.requires_grad]
+    scenario.require(asked, "get_peft_model made no LoRA tensor trainable")
+    train_dataset, processing_class = dataset(under_test)
+    args = sft_config(tmp_path / "run", under_test.device)
+    args.max_steps = READY_STEPS
+    trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset, processing_class=processing_class)
+    scenario.require(isinstance(trainer.model, PeftModel) and scenario.lora_wrapped(trainer.model),
+                     f"SFTTrainer did not keep the PeftModel it was handed ({type(trainer.model).__name__})")
+    before = trainers.lora_state(trainer.model)
+
+    trainer.train()
+
+    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    scenario.require(len(norms) == READY_STEPS, f"training logged {len(norms)} gradient norms, not {READY_STEPS}")
+    print(f"stackcheck measured: SFT of a ready PeftModel: grad norms {[round(float(n), 4) for n in norms]}")
+    frozen = [name for name in asked if not dict(trainer.model.named_parameters())[name].requires_grad]
+    assert not frozen, f"SFTTrainer froze {len(frozen)} of the {len(asked)} LoRA tensors of the PeftModel it was handed: {frozen[:3]}"
+    assert all(float(n) > 0 for n in norms), f"SFT of a ready PeftModel on a 4-bit base: gradient norms {norms}"
+    still = [name for name, p in trainers.lora_state(trainer.model).items() if torch.equal(p, before[name])]
+    assert not still, f"{len(still)} of {len(before)} LoRA tensors of the ready PeftModel did not move in {READY_STEPS} SFT steps: {still[:3]}"
