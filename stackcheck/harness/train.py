@@ -80,13 +80,16 @@ CHECKPOINTING = {"off": None, "reentrant": True, "non_reentrant": False}
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def load_base_in(under_test: UnderTest, dtype: torch.dtype, **kwargs):
+def load_base_in(under_test: UnderTest, dtype: torch.dtype, quant: str = "nf4", **kwargs):
     """The user's 4-bit load for a run in `dtype`: `from_pretrained(dtype=...)` with `bnb_4bit_compute_dtype` the same
-    (a T4 user's fp16, everyone else's bf16), NF4 with double quant."""
-    from stackcheck.harness.load import bnb_config, pin_portable_cpu_kernel
+    (a T4 user's fp16, everyone else's bf16), NF4 with double quant; `quant="int8"`: LLM.int8 (`load_in_8bit=True`)."""
+    from stackcheck.harness.load import Quantization, bnb_config, pin_portable_cpu_kernel
 
-    config = bnb_config()
-    config.bnb_4bit_compute_dtype = dtype
+    if quant == "int8":
+        config = Quantization("int8", dtype=dtype).config()
+    else:
+        config = bnb_config()
+        config.bnb_4bit_compute_dtype = dtype
     device_map = kwargs.pop("device_map", {"": str(under_test.device)})
     model = tiny.model_class(under_test.arch).from_pretrained(tiny.base_checkpoint(under_test.arch), dtype=dtype, device_map=device_map,
                                                              quantization_config=config, **kwargs).eval()
@@ -175,14 +178,20 @@ def grads_missing(grads: dict[str, torch.Tensor | None]) -> list[str]:
 
 
 def frozen_state(model) -> dict[str, torch.Tensor]:
-    """Copies of every frozen tensor of the base: parameters, and each 4-bit layer's quant state. Parameters an
-    offload hook keeps on meta hold no data to compare (on a split base: unquantized tables and towers)."""
-    from stackcheck.harness.load import linear4bit_modules, quant_state_tensors
+    """Copies of every frozen tensor of the base: parameters, each 4-bit layer's quant state and each 8-bit layer's row
+    scales (SCB, on its weight or, after a forward, on its state). Parameters an offload hook keeps on meta hold no data
+    to compare (on a split base: unquantized tables and towers)."""
+    import bitsandbytes as bnb
+
+    from stackcheck.harness.load import int8_state, linear4bit_modules, quant_state_tensors
 
     state = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad and p.device.type != "meta"}
     for name, layer in linear4bit_modules(model).items():
         for index, tensor in enumerate(quant_state_tensors(layer.weight.quant_state)):
             state[f"{name}.quant_state.{index}"] = tensor.detach().clone()
+    for name, layer in model.named_modules():
+        if isinstance(layer, bnb.nn.Linear8bitLt) and (scales := int8_state(layer)[1]) is not None and scales.device.type != "meta":
+            state[f"{name}.SCB"] = scales.detach().clone()
     return state
 
 

@@ -34,12 +34,12 @@ def test_lora_gradients_fail_when_reentrant_checkpointing_cuts_the_gradient(monk
 
     monkeypatch.setattr(modeling_utils, "checkpoint", detaching)
     with pytest.raises(AssertionError, match=r"4 of 8 LoRA tensors got no finite non-zero gradient"):
-        contract("train", "lora_gradients").test_every_lora_tensor_gets_the_gradient_and_learns(LLAMA3, "reentrant", torch.bfloat16)
+        contract("train", "lora_gradients").test_every_lora_tensor_gets_the_gradient_and_learns(LLAMA3, "reentrant", torch.bfloat16, "nf4")
 
 
 def test_lora_gradients_fail_when_get_peft_model_freezes_the_adapter(monkeypatch):
     """The bug class of trl#4029 (a second prepare_model_for_kbit_training froze every LoRA tensor): fp16, with the
-    GradScaler in the loop."""
+    GradScaler in the loop, on an int8 base."""
     family = contract("train", "lora_gradients")
     build = scenario.kbit_lora_model
 
@@ -51,7 +51,7 @@ def test_lora_gradients_fail_when_get_peft_model_freezes_the_adapter(monkeypatch
 
     monkeypatch.setattr(scenario, "kbit_lora_model", frozen)
     with pytest.raises(AssertionError, match="8 of 8 LoRA tensors got no finite non-zero gradient"):
-        family.test_every_lora_tensor_gets_the_gradient_and_learns(LLAMA3, "non_reentrant", torch.float16)
+        family.test_every_lora_tensor_gets_the_gradient_and_learns(LLAMA3, "non_reentrant", torch.float16, "int8")
 
 
 def test_checkpointing_divergence_reads_as_the_known_gemma4_bug_in_the_contract_family():

@@ -16,7 +16,9 @@ Bugs of this shape it catches: an update rule that is not AdamW's (weight decay 
 bitsandbytes PR #1993 for Lion; eps or bias correction placed differently), a state that is not updated or not
 dequantized with its own block's scale (bitsandbytes PR #1721: stale bits in blockwise codes), optimizer kernels
 missing on a device (`bnb_optimizers_cpu`: bitsandbytes < 0.50 has none on the CPU), a per-parameter override that is
-never seen (PR #1869).
+never seen (PR #1869: `test_adamw_8bit_honours_a_per_parameter_32bit_override`, AdamW8bit with one LoRA tensor set to
+32 bits by `GlobalOptimManager.override_config` after `register_parameters`; the releases with that bug have no CPU
+optimizer kernels, so it shows in the GPU lane only).
 
 Precondition proven: the 8-bit optimizers keep an 8-bit (uint8) state for every LoRA tensor and the 32-bit one a
 float32 state (bitsandbytes' `min_8bit_size` is set to 0, see `scenario.bnb_adamw`); torch's AdamW moved every LoRA
@@ -166,3 +168,39 @@ def tolerance(bits: int, floor: float) -> float:
     """TOLERANCE[bits], or FLOOR_FACTOR times the rounding floor of this device and model where that is more (rounded
     up to 4 decimals): bitsandbytes' kernel is a third implementation of the same arithmetic."""
     return max(TOLERANCE[bits], math.ceil(FLOOR_FACTOR * floor * 1e4) / 1e4)
+
+
+def test_adamw_8bit_honours_a_per_parameter_32bit_override(under_test):
+    """A per-parameter override, as bitsandbytes documents it: `GlobalOptimManager.register_parameters(params)` before
+    the optimizer is built, then `override_config(param, "optim_bits", 32)` after it. The overridden LoRA tensor must
+    get a 32-bit state and track torch's AdamW as the 32-bit optimizer does (`tolerance(32, ...)`); every other LoRA tensor
+    keeps its 8-bit state. bitsandbytes <= 0.49.2 read overrides only at registration, so one made after it was
+    silently dropped (PR #1869). The override is taken off the manager (a process-wide singleton) afterwards."""
+    import bitsandbytes as bnb
+
+    run = torch_adamw_run(under_test)
+    overridden = next(iter(run.lora))
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.initialize()
+
+    def with_override(params):
+        manager.register_parameters(params)
+        optimizer = scenario.bnb_adamw("adamw_8bit", params, **ADAMW)
+        manager.override_config(run.lora[overridden], "optim_bits", 32)
+        return optimizer
+
+    try:
+        weights, losses, bnb_optimizer = run.train(with_override)
+    finally:
+        manager.initialize()
+    run.torch_adamw()
+
+    dtypes = scenario.state_dtypes(bnb_optimizer, run.lora)
+    others = {name: dtype for name, dtype in dtypes.items() if name != overridden and dtype != torch.uint8}
+    scenario.require(len(run.lora) > 1 and not others, f"AdamW8bit holds no 8-bit state for {len(others)} LoRA tensors not overridden: {list(others.items())[:3]}")
+    assert dtypes[overridden] == torch.float32, (f"override_config({overridden}, 'optim_bits', 32) after register_parameters was "
+                                                 f"not honoured: its state is {dtypes[overridden]}")
+    error = update_errors(run, weights)[overridden]
+    print(f"stackcheck measured: the overridden tensor's relative error {error:.2e}; losses {[round(x, 5) for x in losses]}")
+    scenario.assert_within(f"the LoRA tensor AdamW8bit runs in 32 bits by override drifts from torch's AdamW over {STEPS} steps: "
+                           "relative error", error, tolerance(32, run.rounding_floor()))
