@@ -41,7 +41,7 @@ def tokenizer(arch):
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, bos_token=BOS, unk_token=UNK,
-                                   extra_special_tokens=extra or None)
+                                   **({"extra_special_tokens": extra} if extra else {}))  # transformers 4 refuses None
     fast.add_special_tokens({"additional_special_tokens": list(extra.values())}) if extra else None
     return fast
 
