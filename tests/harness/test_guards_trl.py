@@ -35,6 +35,22 @@ def test_sft_fails_when_the_trainer_leaves_lora_tensors_frozen(monkeypatch, tmp_
         family("sft_qlora").test_sft_qlora_trains_the_adapter_and_it_reloads(LLAMA3, tmp_path)
 
 
+def test_sft_fails_when_the_trainer_freezes_a_ready_peft_model(monkeypatch, tmp_path):
+    """trl#3926's class: SFTTrainer handed a ready PeftModel runs `prepare_model_for_kbit_training` on it again, which
+    sets every parameter, the LoRA tensors included, to requires_grad=False."""
+    from peft import prepare_model_for_kbit_training
+    from trl import SFTTrainer
+
+    real = SFTTrainer.__init__
+
+    def preparing_again(self, model=None, *args, **kwargs):
+        real(self, prepare_model_for_kbit_training(model, use_gradient_checkpointing=False), *args, **kwargs)
+
+    monkeypatch.setattr(SFTTrainer, "__init__", preparing_again)
+    with pytest.raises(AssertionError, match=r"^SFTTrainer froze 8 of the 8 LoRA tensors of the PeftModel it was handed"):
+        family("sft_qlora").test_sft_trains_a_ready_peft_model_on_a_kbit_base(LLAMA3, tmp_path)
+
+
 def test_sft_fails_when_the_saved_adapter_reloads_without_its_weights(monkeypatch, tmp_path):
     """The class of bug: an adapter saved under keys the model no longer has reloads at its initialisation."""
     import peft
