@@ -85,6 +85,19 @@ def test_optimizers_fail_when_the_bnb_step_counter_does_not_advance(monkeypatch)
         contract("train", "optimizers_track_adamw").test_bnb_optimizer_tracks_torch_adamw(LLAMA3, "paged_adamw_32bit")
 
 
+def test_optimizers_fail_when_a_per_parameter_override_is_dropped(monkeypatch):
+    """bitsandbytes PR #1869's class: an `override_config` made after `register_parameters` that the optimizer never
+    reads leaves the tensor's state in 8 bits."""
+    import bitsandbytes as bnb
+    from packaging.version import Version
+
+    if Version(installed_versions()["bitsandbytes"]) < Version("0.50.0"):
+        pytest.skip("bitsandbytes < 0.50 has no CPU optimizer kernels (bnb_optimizers_cpu): the family cannot run here")
+    monkeypatch.setattr(bnb.optim.GlobalOptimManager, "override_config", lambda self, *args, **kwargs: None)
+    with pytest.raises(AssertionError, match=r"^override_config\(.+, 'optim_bits', 32\) after register_parameters was not honoured: its state is torch\.uint8"):
+        contract("train", "optimizers_track_adamw").test_adamw_8bit_honours_a_per_parameter_32bit_override(LLAMA3)
+
+
 def test_resume_fails_when_the_checkpoint_holds_a_fresh_optimizer_state(monkeypatch, tmp_path):
     """The bug class of DeepSpeed PR #7786 (optimizer state neither saved nor loaded): the checkpoint's optimizer.pt
     holds an optimizer that never stepped, so the fresh process resumes with Adam's moments at zero."""
