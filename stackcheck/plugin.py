@@ -32,6 +32,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -128,20 +129,28 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
     config.stackcheck_arch_names = [arch.name for arch in config.stackcheck_architectures]
     config.stackcheck_versions = installed_versions()
-    config.stackcheck_platform = hostinfo.platform_facts()
     if config.getoption(TIMING_OPTION) and not hasattr(config, "workerinput"):
         config.pluginmanager.register(Timing(Path(config.getoption(TIMING_OPTION))), "stackcheck-timing")
     path = config.getoption(RESULTS_OPTION)
     if path and not hasattr(config, "workerinput"):  # the xdist controller (or a plain run) owns the file
         # Nothing is written before collection finishes: a run that pytest refuses, or that collects nothing, changes nothing.
         recorder = Recorder(Path(path), config.getoption(SET_OPTION), config.stackcheck_lanes, config.stackcheck_arch_names,
-                            config.stackcheck_versions, config.stackcheck_platform)
+                            config.stackcheck_versions, lambda: platform_of(config))
         config.pluginmanager.register(recorder, "stackcheck-recorder")
+
+
+def platform_of(config: pytest.Config) -> dict[str, str]:
+    """The run's platform facts (hostinfo.platform_facts), read once, when first asked for: they import bitsandbytes
+    (4 to 6 s of CPU on this project's 2-core machine), which a process that neither records results nor reports
+    them (an xdist worker, a `-q` run, a run of tests that never load a model) need not pay for."""
+    if not hasattr(config, "stackcheck_platform"):
+        config.stackcheck_platform = hostinfo.platform_facts()
+    return config.stackcheck_platform
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in config.stackcheck_versions.items())
-    facts = ", ".join(f"{k} {v}" for k, v in config.stackcheck_platform.items())
+    facts = ", ".join(f"{k} {v}" for k, v in platform_of(config).items())
     return [f"stackcheck set '{config.getoption(SET_OPTION)}': {versions}", f"stackcheck platform: {facts}"]
 
 
@@ -331,7 +340,7 @@ class Recorder:
     STOPPED = "cell not run: the run stopped before this cell (Ctrl-C, -x or --maxfail)"
 
     def __init__(self, path: Path, set_name: str, lanes: list[str], arch_names: list[str], versions: dict[str, str],
-                 platform: dict[str, str]):
+                 platform: Callable[[], dict[str, str]]):
         self.path, self.set_name, self.lanes, self.arch_names = path, set_name, lanes, arch_names
         self.versions, self.platform = versions, platform
         self.fingerprint = results.fingerprint()
@@ -355,7 +364,7 @@ class Recorder:
         if self.started or not cells:
             return
         self.started = True
-        self.replaced = results.begin_run(self.path, self.set_name, self.versions, self.platform, cells, self.fingerprint)
+        self.replaced = results.begin_run(self.path, self.set_name, self.versions, self.platform(), cells, self.fingerprint)
         self.placeholders = {cell.key: cell for cell in cells if cell not in self.unimportable}
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:

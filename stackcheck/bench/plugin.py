@@ -50,6 +50,7 @@ def bench_device(request: pytest.FixtureRequest):
     import torch
 
     from stackcheck import hostinfo
+    from stackcheck.plugin import platform_of
 
     from stackcheck.bench import harness as bench
 
@@ -62,7 +63,7 @@ def bench_device(request: pytest.FixtureRequest):
         torch.set_num_threads(1)
     request.config.stash[BANDWIDTH] = {
         "measured_bytes_per_s": bench.copy_bandwidth(device),
-        "spec_bytes_per_s": bench.spec_bandwidth(hostinfo.device_name(request.config.stackcheck_platform)),
+        "spec_bytes_per_s": bench.spec_bandwidth(hostinfo.device_name(platform_of(request.config))),
         "method": "device-to-device copy, bytes read + written, median of 10",
     }
     return device
@@ -73,6 +74,7 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json:
     import torch
 
     from stackcheck import hostinfo
+    from stackcheck.plugin import platform_of
 
     from stackcheck.bench import harness as bench
     from stackcheck.versions import installed_versions
@@ -80,8 +82,8 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json:
     output_json["stackcheck"] = {
         "set": config.getoption(SET_OPTION),
         "versions": installed_versions(),
-        "device": hostinfo.device_name(config.stackcheck_platform),
-        "platform": config.stackcheck_platform,
+        "device": hostinfo.device_name(platform_of(config)),
+        "platform": platform_of(config),
         "mode": "smoke" if config.getoption(BENCH_SMOKE_OPTION) else "full",
         "sizes": bench_sizes(config),
         "bandwidth": config.stash.get(BANDWIDTH, None),

@@ -2,13 +2,17 @@
 two GPUs gets them under xdist); without GPUs the workers are left as they are. Real xdist runs over a probe test
 that reports what its worker sees."""
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from stackcheck import REPO_ROOT
+from stackcheck.locking import folder_locked
 from stackcheck.plugin import gpu_lane_skip_reason, visible_gpus, worker_gpus
 
 PROBE = """
@@ -45,8 +49,23 @@ def gpus_seen(seen: dict[str, str]) -> dict[str, str]:
     return {worker: value for worker, value in seen.items() if not worker.endswith("-threads")}
 
 
-def test_each_worker_keeps_to_its_share_of_the_cores(tmp_path):
-    seen = seen_by_workers(tmp_path, None)
+@pytest.fixture(scope="module")
+def seen_without_gpus(tmp_path_factory) -> dict[str, str]:
+    """One real xdist run with CUDA_VISIBLE_DEVICES unset, which both the threads and the GPUs tests below read: once
+    per test run, shared on disk by this run's xdist workers (the parent of a worker's temporary folder is the run's)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xdist-without-gpus"
+    out = shared / "seen.json"
+    with folder_locked(shared):
+        if not out.exists():
+            seen = seen_by_workers(Path(tempfile.mkdtemp(dir=shared)), None)
+            (shared / "seen.tmp").write_text(json.dumps(seen))
+            os.replace(shared / "seen.tmp", out)  # only a run that finished is shared
+        return json.loads(out.read_text())
+
+
+def test_each_worker_keeps_to_its_share_of_the_cores(seen_without_gpus):
+    seen = seen_without_gpus
     share = str(max(1, (os.cpu_count() or 1) // 2))
     assert (seen["gw0-threads"], seen["gw1-threads"]) == (share, share)
 
@@ -69,8 +88,8 @@ def test_eight_workers_spread_over_the_gpus_and_keep_every_gpu(host_gpus):
     assert skipped == ({None} if host_gpus >= 2 else {"GPU lane: needs 2 GPUs, torch sees 1"})
 
 
-def test_without_gpus_workers_are_left_alone(tmp_path, monkeypatch):
+def test_without_gpus_workers_are_left_alone(seen_without_gpus, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     if visible_gpus():
         pytest.skip("this host has GPUs")
-    assert gpus_seen(seen_by_workers(tmp_path, None)) == {"gw0": "unset", "gw1": "unset"}
+    assert gpus_seen(seen_without_gpus) == {"gw0": "unset", "gw1": "unset"}
