@@ -4,9 +4,13 @@ chose from them, the GPU with its driver and CUDA, and the OS."""
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import shutil
 import subprocess
+import sys
+from importlib import metadata
 from pathlib import Path
 
 # Extensions that send torch or bitsandbytes down another CPU code path (avx512_bf16: bitsandbytes' packed
@@ -33,8 +37,7 @@ def bnb_has_packed_cpu_path() -> bool:
     return hasattr(bitsandbytes.functional, "_convert_weight_packed_for_cpu")
 
 
-def bnb_cpu_packed_path() -> str:
-    """Whether bitsandbytes' CPU build would repack 4-bit weights for its AVX512-BF16 kernel here."""
+def _bnb_cpu_packed_path() -> str:
     try:
         import bitsandbytes.functional
     except Exception as exc:  # any import failure: the fact is then "unknown", the run goes on
@@ -42,6 +45,37 @@ def bnb_cpu_packed_path() -> str:
     if not bnb_has_packed_cpu_path():
         return "absent in this bitsandbytes"
     return "taken" if bitsandbytes.functional.has_avx512bf16() else "not taken (bitsandbytes reports no avx512_bf16)"
+
+
+# Beside a stackcheck environment (<repo>/.stackcheck/<folder>/<env>, which never changes once built): the packed-path
+# fact of each (bitsandbytes release, CPU) it ran on, so that a process that never loads a 4-bit model (a harness
+# test's pytest run, an xdist controller) need not import bitsandbytes for it (4 to 6 s of CPU on 2 cores).
+PACKED_PATH_FILE = "stackcheck-bnb-cpu-packed-path.json"
+
+
+def bnb_cpu_packed_path() -> str:
+    """Whether bitsandbytes' CPU build would repack 4-bit weights for its AVX512-BF16 kernel here."""
+    prefix = Path(sys.prefix)
+    cache = prefix / PACKED_PATH_FILE if prefix.parent.parent.name == ".stackcheck" else None
+    try:
+        key = json.dumps([metadata.version("bitsandbytes"), *_cpuinfo()[0:1], sorted(_cpuinfo()[1])])
+    except metadata.PackageNotFoundError:
+        key = None
+    try:
+        known = json.loads(cache.read_text()) if cache and key else {}
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    fact = _bnb_cpu_packed_path()
+    if cache and key and not fact.startswith("unknown"):
+        try:
+            partial = cache.with_name(f"{cache.name}.{os.getpid()}")
+            partial.write_text(json.dumps(dict(known, **{key: fact})))
+            os.replace(partial, cache)  # whole or not at all, whoever writes last
+        except OSError:
+            pass  # a read-only environment: the fact is asked again next time
+    return fact
 
 
 def _nvidia_driver() -> str:
