@@ -19,3 +19,10 @@ def folder_locked(folder: Path):
         yield
     finally:
         os.close(handle)  # releases the lock
+
+
+def run_folder(tmp_path_factory, name: str) -> Path:
+    """A folder that every xdist worker of this pytest run shares (the parent of a worker's temporary folder is the
+    run's), or this plain run's: where a result that several tests read is built once, under `folder_locked`."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name

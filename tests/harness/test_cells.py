@@ -7,12 +7,15 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from stackcheck import REPO_ROOT
 from stackcheck.ledger import Ledger
+from stackcheck.locking import folder_locked, run_folder
 from stackcheck.models import tiny
 from stackcheck.versions import installed_versions
 
@@ -110,33 +113,48 @@ def test_a_family_module_without_a_ledger_entry_is_a_usage_error(checkout):
     assert "no entry for family module(s) test_import_fails.py, test_quick.py, test_worker_crash.py" in run.stderr
 
 
-def test_a_fixture_that_cannot_be_built_is_an_error_not_a_new_failure(tmp_path):
-    fixtures = tmp_path / "fixtures"
-    shutil.copytree(tiny.FIXTURES_DIR, fixtures)
-    config = json.loads((fixtures / "tiny_gemma4.json").read_text())
-    config["text_config"]["layer_types"] = ["no_such_attention"] * config["text_config"]["num_hidden_layers"]
-    (fixtures / "tiny_gemma4.json").write_text(json.dumps(config))
-    results = tmp_path / "matrix.json"
-    run_pytest(REPO_ROOT, f"--stackcheck-results={results}", "--stackcheck-lanes=cpu", "--stackcheck-arch=gemma4",
-               "tests/families/test_merge_parity.py::test_merge_into_bf16_base_reproduces_adapter_outputs",
-               env={"STACKCHECK_FIXTURES": str(fixtures)})
-    (cell,) = cells_of(results).values()
+MERGE_PARITY = "tests/families/test_merge_parity.py::test_merge_into_bf16_base_reproduces_adapter_outputs"
+
+
+@pytest.fixture(scope="module")
+def merge_parity_cells(tmp_path_factory) -> tuple[dict, str]:
+    """One real run of a family test on two architectures, whose cells the two tests below read: Gemma 4 over a copy
+    of the fixtures whose Gemma 4 config cannot be built, Qwen3-MoE over its own config, copied as it is (so its
+    tiny checkpoint cache still hits). Once per test run, shared on disk by this run's xdist workers."""
+    shared = run_folder(tmp_path_factory, "merge-parity-cells")
+    out = shared / "matrix.json"
+    with folder_locked(shared):
+        if not out.exists():
+            work = Path(tempfile.mkdtemp(dir=shared))
+            fixtures = work / "fixtures"
+            shutil.copytree(tiny.FIXTURES_DIR, fixtures)
+            config = json.loads((fixtures / "tiny_gemma4.json").read_text())
+            config["text_config"]["layer_types"] = ["no_such_attention"] * config["text_config"]["num_hidden_layers"]
+            (fixtures / "tiny_gemma4.json").write_text(json.dumps(config))
+            run = run_pytest(REPO_ROOT, f"--stackcheck-results={work / 'matrix.json'}", "--stackcheck-lanes=cpu",
+                             "--stackcheck-arch=gemma4,qwen3moe", MERGE_PARITY, env={"STACKCHECK_FIXTURES": str(fixtures)})
+            (work / "stdout.txt").write_text(run.stdout)
+            os.replace(work / "stdout.txt", shared / "stdout.txt")
+            os.replace(work / "matrix.json", out)  # only a run that finished is shared
+        return cells_of(out), (shared / "stdout.txt").read_text()
+
+
+def test_a_fixture_that_cannot_be_built_is_an_error_not_a_new_failure(merge_parity_cells):
+    cells, _ = merge_parity_cells
+    cell = cells[f"{MERGE_PARITY}[cpu-gemma4]"]
     assert (cell["verdict"], cell["note"]) == ("error", "setup broke"), cell
     assert "FixtureError" in cell["signature"]
 
 
-
-def test_a_fixture_that_meets_a_known_bug_is_that_known_bug(tmp_path):
+def test_a_fixture_that_meets_a_known_bug_is_that_known_bug(merge_parity_cells):
     """Qwen3-MoE's default adapter is all-linear (PEFT has no default targets for qwen3_moe). Where PEFT 0.19 turns
     that string into a set of its characters (peft_moe_all_linear_charset), building the adapter fixture fails with
     the bug's own signature: the ledger judges it as it judges a test, and the cell is the known bug, not `error`."""
-    results = tmp_path / "matrix.json"
-    run = run_pytest(REPO_ROOT, f"--stackcheck-results={results}", "--stackcheck-lanes=cpu", "--stackcheck-arch=qwen3moe",
-                     "tests/families/test_merge_parity.py::test_merge_into_bf16_base_reproduces_adapter_outputs")
-    (cell,) = cells_of(results).values()
+    cells, stdout = merge_parity_cells
+    cell = cells[f"{MERGE_PARITY}[cpu-qwen3moe]"]
     if not Ledger().bugs["peft_moe_all_linear_charset"].affects(installed_versions()):
         pytest.skip(f"these versions do not have peft_moe_all_linear_charset: the fixture builds ({cell['verdict']})")
-    assert (cell["verdict"], cell["bug"]) == ("known_bug", "peft_moe_all_linear_charset"), run.stdout[-3000:]
+    assert (cell["verdict"], cell["bug"]) == ("known_bug", "peft_moe_all_linear_charset"), stdout[-3000:]
     assert cell["note"].startswith("in the test's setup: FixtureError: fixture adapter-language cannot be built"), cell
     assert cell["signature"].endswith("@ peft/tuners/tuners_utils.py:inject_adapter"), cell
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stackcheck import REPO_ROOT
-from stackcheck.locking import folder_locked
+from stackcheck.locking import folder_locked, run_folder
 from stackcheck.plugin import gpu_lane_skip_reason, visible_gpus, worker_gpus
 
 PROBE = """
@@ -52,9 +52,8 @@ def gpus_seen(seen: dict[str, str]) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def seen_without_gpus(tmp_path_factory) -> dict[str, str]:
     """One real xdist run with CUDA_VISIBLE_DEVICES unset, which both the threads and the GPUs tests below read: once
-    per test run, shared on disk by this run's xdist workers (the parent of a worker's temporary folder is the run's)."""
-    base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xdist-without-gpus"
+    per test run, shared on disk by this run's xdist workers."""
+    shared = run_folder(tmp_path_factory, "xdist-without-gpus")
     out = shared / "seen.json"
     with folder_locked(shared):
         if not out.exists():
