@@ -48,7 +48,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
              f"file a parallel run orders its tests by ({DURATIONS_FILE.relative_to(REPO_ROOT)})")
 
 
+# `@pytest.mark.shares(NAME)`: the test reads a result that the tests of group NAME build once per run, shared on disk
+# by the xdist workers (stackcheck.locking.run_folder); whichever of them runs first builds it, under a lock.
+SHARES_MARK = "shares"
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{SHARES_MARK}(name): reads a result built once per run for the tests of group `name` "
+                                       "(stackcheck.locking.run_folder): ordered after every other test but the group's first")
     if config.getoption(RECORD_OPTION) and not hasattr(config, "workerinput"):
         config.pluginmanager.register(Recorder(Path(config.getoption(RECORD_OPTION))), "stackcheck-durations")
 
@@ -85,8 +92,16 @@ def expected_seconds(nodeids: list[str], known: dict[str, float]) -> dict[str, f
 
 
 def longest_first(items: list, expected: dict[str, float]) -> list:
-    """`items`, the costliest first; ties keep the collection's order."""
-    return sorted(items, key=lambda item: -expected[item.nodeid])  # stable
+    """`items`, the costliest first; ties keep the collection's order. Of the tests that share a result (the `shares`
+    mark), the first in that order builds it and the others go last: handed out beside it, they would only wait on
+    its lock, a worker idle for the whole build (whatever the durations file says each costs)."""
+    order = sorted(items, key=lambda item: -expected[item.nodeid])  # stable
+    builders, readers = set(), set()
+    for item in order:
+        mark = item.get_closest_marker(SHARES_MARK) if hasattr(item, "get_closest_marker") else None
+        if mark:
+            (readers.add(item.nodeid) if mark.args[0] in builders else builders.add(mark.args[0]))
+    return sorted(order, key=lambda item: item.nodeid in readers)  # stable: the readers last, in their order
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

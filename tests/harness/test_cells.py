@@ -139,6 +139,7 @@ def merge_parity_cells(tmp_path_factory) -> tuple[dict, str]:
         return cells_of(out), (shared / "stdout.txt").read_text()
 
 
+@pytest.mark.shares("merge-parity-cells")
 def test_a_fixture_that_cannot_be_built_is_an_error_not_a_new_failure(merge_parity_cells):
     cells, _ = merge_parity_cells
     cell = cells[f"{MERGE_PARITY}[cpu-gemma4]"]
@@ -146,6 +147,7 @@ def test_a_fixture_that_cannot_be_built_is_an_error_not_a_new_failure(merge_pari
     assert "FixtureError" in cell["signature"]
 
 
+@pytest.mark.shares("merge-parity-cells")
 def test_a_fixture_that_meets_a_known_bug_is_that_known_bug(merge_parity_cells):
     """Qwen3-MoE's default adapter is all-linear (PEFT has no default targets for qwen3_moe). Where PEFT 0.19 turns
     that string into a set of its characters (peft_moe_all_linear_charset), building the adapter fixture fails with

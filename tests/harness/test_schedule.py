@@ -60,6 +60,17 @@ def test_longest_first_is_stable_among_equals():
     assert [item.nodeid for item in order] == ["b", "d", "a", "c"]
 
 
+def test_the_tests_that_read_a_shared_result_go_after_the_one_that_builds_it():
+    shares = pytest.mark.shares("run").mark
+
+    def item(nodeid: str, shared: bool):
+        return type("Item", (), {"nodeid": nodeid, "get_closest_marker": lambda self, name: shares if shared and name == "shares" else None})()
+
+    items = [item("a", True), item("b", True), item("c", False), item("d", False), item("e", True)]
+    order = schedule.longest_first(items, {"a": 20.0, "b": 25.0, "c": 1.0, "d": 10.0, "e": 30.0})
+    assert [item.nodeid for item in order] == ["e", "d", "c", "b", "a"]
+
+
 PROBE = '''
 import os
 import pathlib

@@ -63,6 +63,7 @@ def seen_without_gpus(tmp_path_factory) -> dict[str, str]:
         return json.loads(out.read_text())
 
 
+@pytest.mark.shares("xdist-without-gpus")
 def test_each_worker_keeps_to_its_share_of_the_cores(seen_without_gpus):
     seen = seen_without_gpus
     share = str(max(1, (os.cpu_count() or 1) // 2))
@@ -87,6 +88,7 @@ def test_eight_workers_spread_over_the_gpus_and_keep_every_gpu(host_gpus):
     assert skipped == ({None} if host_gpus >= 2 else {"GPU lane: needs 2 GPUs, torch sees 1"})
 
 
+@pytest.mark.shares("xdist-without-gpus")
 def test_without_gpus_workers_are_left_alone(seen_without_gpus, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     if visible_gpus():
