@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stackcheck.distributed import launcher
+from stackcheck.distributed import launcher, pool
 from stackcheck.distributed.outcome import RankOutcome, raise_unless_passed
 
 # The GPU lane runs world sizes 1 and 2 (NCCL), 2 skipped with the count on a host with one GPU; the CPU lane
@@ -58,7 +58,8 @@ class Ranks:
             pytest.skip(f"CPU lane: GPU lane only ({gpu_only})")
         if self.lane == "cpu" and cpu_costly and not every_cpu_variant():
             pytest.skip(f"CPU lane: left out of the default run ({cpu_costly}); {CPU_SELECTION_ENV}=all runs it")
-        outcomes = launcher.launch(target, self.workdir / "job", world_size, engine, self.lane, timeout, kwargs, engine_options)
+        launch = pool.launch if pool.enabled() else launcher.launch  # STACKCHECK_RANK_POOL=1: a warm rank pool
+        outcomes = launch(target, self.workdir / "job", world_size, engine, self.lane, timeout, kwargs, engine_options)
         self.node.stackcheck_ranks = outcomes
         raise_unless_passed(outcomes)
         return outcomes

@@ -109,9 +109,10 @@ def lost_the_port(outcomes: list[RankOutcome]) -> bool:
 
 
 def command(target: str, outdir: Path, world_size: int, engine: str | None, port: int,
-            engine_options: dict | None = None) -> list[str]:
-    """The user's launch line: accelerate launch with the engine's config file, or torchrun."""
-    rank_program = ["-m", rank_side.__name__, target, str(outdir)]
+            engine_options: dict | None = None, rank_args: list[str] | None = None) -> list[str]:
+    """The user's launch line: accelerate launch with the engine's config file (its copy with `engine_options` in
+    `outdir`), or torchrun; each rank runs the rank side with `rank_args` (default: TARGET OUTDIR)."""
+    rank_program = ["-m", rank_side.__name__, *(rank_args or [target, str(outdir)])]
     if engine is None:
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}", f"--master_port={port}", *rank_program]
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(engine_config(engine, engine_options, outdir)),
@@ -119,12 +120,13 @@ def command(target: str, outdir: Path, world_size: int, engine: str | None, port
 
 
 def launch(target: str, outdir: Path, world_size: int = 2, engine: str | None = None, lane: str = "cpu",
-           timeout: float = 240.0, kwargs: dict | None = None, engine_options: dict | None = None) -> list[RankOutcome]:
+           timeout: float = 240.0, kwargs: dict | None = None, engine_options: dict | None = None,
+           once=None) -> list[RankOutcome]:
     """Run `target` (MODULE:FUNCTION, called with `kwargs`) on `world_size` ranks, launched with the engine's config
     (changed by `engine_options`, see engine_config); every rank's outcome, by rank. Every process of the job is gone
-    when this returns."""
+    when this returns. `once`: what runs one attempt (launch_once, or a warm pool's, stackcheck.distributed.pool)."""
     for attempt in range(PORT_ATTEMPTS):
-        found = launch_once(target, outdir, world_size, engine, lane, timeout, kwargs, engine_options)
+        found = (once or launch_once)(target, outdir, world_size, engine, lane, timeout, kwargs, engine_options)
         if not lost_the_port(found) or attempt == PORT_ATTEMPTS - 1:
             return found
         for rank in range(world_size):  # a fresh start: the dead job's files would read as this one's
@@ -140,10 +142,7 @@ def launch_once(target: str, outdir: Path, world_size: int, engine: str | None, 
                 kwargs: dict | None, engine_options: dict | None) -> list[RankOutcome]:
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "call.json").write_text(json.dumps(kwargs or {}))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-               **{rank_side.LANE_ENV: lane})
-    if lane == "cpu":  # the CPU lane's ranks see no GPU even on a GPU host, as the CPU lane's tests keep to the CPU
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env = job_environment(lane)
     with (outdir / "launcher.log").open("w") as log:
         job = subprocess.Popen(command(target, outdir, world_size, engine, free_port(), engine_options), cwd=REPO_ROOT, env=env,
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -154,6 +153,15 @@ def launch_once(target: str, outdir: Path, world_size: int, engine: str | None, 
         finally:
             reap(job, outdir, world_size)
     return outcomes(outdir, world_size, hung_after, job.returncode)
+
+
+def job_environment(lane: str) -> dict:
+    """The job's environment: the caller's, the repository on the path, the lane named."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+               **{rank_side.LANE_ENV: lane})
+    if lane == "cpu":  # the CPU lane's ranks see no GPU even on a GPU host, as the CPU lane's tests keep to the CPU
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
 def wait(job: subprocess.Popen, outdir: Path, world_size: int, timeout: float) -> float | None:

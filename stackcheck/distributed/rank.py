@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from stackcheck import protocol
@@ -83,19 +84,40 @@ def supervise(target: str, outdir: Path) -> int:
     rank = rank_index()
     group_path(outdir, rank).write_text(str(os.getpgid(0)))
     with log_path(outdir, rank).open("w") as log:
-        worker = subprocess.Popen([sys.executable, "-m", __spec__.name, "--worker", target, str(outdir)], stdout=log, stderr=subprocess.STDOUT)
+        return _supervise(rank, ["--worker", target, str(outdir)], log, lambda: outdir)
 
-        def stop(signum, _frame):  # the launcher ends the job: end the worker, and say so
-            worker.send_signal(signum)
-            worker.wait()
-            if not outcome_path(outdir, rank).exists():
-                RankOutcome(rank, RankState.STOPPED).write(outcome_path(outdir, rank))
-            os._exit(128 + signum)
 
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
-        returncode = worker.wait()
-    if not outcome_path(outdir, rank).exists():
+def supervise_pool(folder: Path) -> int:
+    """A warm pool's rank (stackcheck.distributed.pool): the same supervision as `supervise`, of a worker that runs
+    many cells in turn; a worker that dies or is stopped leaves its outcome in the cell it was running."""
+    rank = rank_index()
+    group_path(folder, rank).write_text(str(os.getpgid(0)))
+
+    def cell() -> Path | None:
+        current = read_text(current_path(folder, rank))
+        return Path(current) if current else None
+
+    with log_path(folder, rank).open("w") as log:
+        return _supervise(rank, ["--pool-worker", str(folder)], log, cell)
+
+
+def _supervise(rank: int, worker_args: list[str], log, cell) -> int:
+    """Start the worker (output to `log`) and wait for it; `cell()` is the folder of the cell it runs (None: none yet)."""
+    worker = subprocess.Popen([sys.executable, "-m", __spec__.name, *worker_args], stdout=log, stderr=subprocess.STDOUT)
+
+    def stop(signum, _frame):  # the launcher ends the job: end the worker, and say so
+        worker.send_signal(signum)
+        worker.wait()
+        outdir = cell()
+        if outdir is not None and not outcome_path(outdir, rank).exists():
+            RankOutcome(rank, RankState.STOPPED).write(outcome_path(outdir, rank))
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    returncode = worker.wait()
+    outdir = cell()
+    if outdir is not None and not outcome_path(outdir, rank).exists():
         failure = died_failure(rank, returncode, read_text(log_path(outdir, rank)))
         RankOutcome(rank, RankState.DIED, failure, stacks=read_text(stacks_path(outdir, rank))).write(outcome_path(outdir, rank))
     return returncode
@@ -104,9 +126,28 @@ def supervise(target: str, outdir: Path) -> int:
 def work(target: str, outdir: Path) -> int:
     rank = rank_index()
     pid_path(outdir, rank).write_text(str(os.getpid()))
+    _stacks = watch_for_stacks(outdir, rank)  # noqa: F841 - kept open for faulthandler
+    try:
+        found = call(target, outdir, rank)
+        if found.state == RankState.FAILED:
+            found.write(outcome_path(outdir, rank))
+    finally:
+        _leave_process_group()
+    if found.state == RankState.PASSED:
+        found.write(outcome_path(outdir, rank))
+    return 0 if found.state == RankState.PASSED else 1
+
+
+def watch_for_stacks(outdir: Path, rank: int):
+    """Every thread's stack to OUTDIR/rank-N.stacks on a fatal signal or the launcher's SIGUSR1; the open file."""
     stacks = stacks_path(outdir, rank).open("w")
     faulthandler.enable(file=stacks, all_threads=True)
     faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
+    return stacks
+
+
+def call(target: str, outdir: Path, rank: int) -> RankOutcome:
+    """FUNCTION(**OUTDIR/call.json): passed with what it returned, or failed with the ledger's Failure of its exception."""
     module_name, _, function_name = target.partition(":")
     kwargs = json.loads((outdir / "call.json").read_text())
     try:
@@ -114,12 +155,99 @@ def work(target: str, outdir: Path) -> int:
         result = getattr(importlib.import_module(module_name), function_name)(**kwargs)
     except Exception as exc:  # noqa: BLE001 - every exception of the rank's function is its outcome
         not_reached = "ScenarioNotReached" in (k.__name__ for k in type(exc).__mro__)
-        RankOutcome(rank, RankState.FAILED, Failure.from_exception(exc, not_reached)).write(outcome_path(outdir, rank))
-        return 1
-    finally:
-        _leave_process_group()
-    RankOutcome(rank, RankState.PASSED, result=result).write(outcome_path(outdir, rank))
+        return RankOutcome(rank, RankState.FAILED, Failure.from_exception(exc, not_reached))
+    return RankOutcome(rank, RankState.PASSED, result=result)
+
+
+# A warm pool's worker (stackcheck.distributed.pool): the launcher hands it cells as files in the pool's folder.
+
+def current_path(folder: Path, rank: int) -> Path:
+    """The folder of the cell the pool's rank runs (or ran last), for its supervisor."""
+    return folder / f"rank-{rank}.cell"
+
+
+def job_path(folder: Path, index: int) -> Path:
+    return folder / f"job-{index}.json"
+
+
+OWNER_FILE = "owner.pid"
+JOB_POLL_SECONDS = 0.01
+OWNER_POLL_SECONDS = 1.0
+
+
+def next_job(folder: Path, index: int) -> dict | None:
+    """The pool's index-th cell ({"target", "outdir"}), once the launcher has written it; None once the process that
+    owns the pool is gone (a crashed or interrupted pytest), or the pool's folder is."""
+    owner = int((folder / OWNER_FILE).read_text())
+    path, checked = job_path(folder, index), time.monotonic()
+    while not path.exists():
+        if time.monotonic() - checked >= OWNER_POLL_SECONDS:
+            checked = time.monotonic()
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                return None
+            if not folder.is_dir():
+                return None
+        time.sleep(JOB_POLL_SECONDS)
+    return json.loads(path.read_text())
+
+
+def pool_work(folder: Path) -> int:
+    """Run the pool's cells in turn, each as `work` runs one (its call.json, outcome, pid, log and stacks files in the
+    cell's folder), keeping the process group and the imported modules between them. A cell that does not pass
+    ends the worker as `work` ends (the launcher then tears the pool down); after one that passes, `leave_the_cell`
+    resets what a cell leaves behind."""
+    rank = rank_index()
+    environ, cwd = dict(os.environ), os.getcwd()
+    index = 0
+    while (job := next_job(folder, index)) is not None:
+        outdir = Path(job["outdir"])
+        current_path(folder, rank).write_text(str(outdir))
+        sys.stdout.flush(), sys.stderr.flush()
+        with log_path(outdir, rank).open("w") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+        pid_path(outdir, rank).write_text(str(os.getpid()))
+        group_path(outdir, rank).write_text(str(os.getpgid(0)))
+        _stacks = watch_for_stacks(outdir, rank)  # noqa: F841 - kept open for faulthandler
+        found = call(job["target"], outdir, rank)
+        if found.state != RankState.PASSED:
+            found.write(outcome_path(outdir, rank))
+            _leave_process_group()
+            return 1
+        leave_the_cell(environ, cwd)
+        sys.stdout.flush(), sys.stderr.flush()
+        found.write(outcome_path(outdir, rank))
+        index += 1
+    _leave_process_group()
     return 0
+
+
+def leave_the_cell(environ: dict, cwd: str) -> None:
+    """Reset what a passed cell leaves in the process for the next one, the process group aside: accelerate's shared
+    state (the next `Accelerator` or `PartialState` builds it again from the launch's variables and finds the process
+    group initialized, as a second `Accelerator` of a user's script does), transformers' HfDeepSpeedConfig weak
+    reference, the environment, working folder and default dtype the pool started with, then garbage and the CUDA cache."""
+    import gc
+
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    if "transformers.integrations.deepspeed" in sys.modules:
+        sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_default_dtype(torch.float32)
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
 
 def _leave_process_group() -> None:
@@ -207,6 +335,10 @@ def assert_matches_one_process(engine: str, losses: list[float], single_losses: 
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--pool"]:
+        return supervise_pool(Path(argv[1]))
+    if argv[:1] == ["--pool-worker"]:
+        return pool_work(Path(argv[1]))
     worker = argv[:1] == ["--worker"]
     target, outdir = argv[1:] if worker else argv
     return (work if worker else supervise)(target, Path(outdir))
