@@ -98,11 +98,12 @@ def supervise_pool(folder: Path) -> int:
         return Path(current) if current else None
 
     with log_path(folder, rank).open("w") as log:
-        return _supervise(rank, ["--pool-worker", str(folder)], log, cell)
+        return _supervise(rank, ["--pool-worker", str(folder)], log, cell, owner=int((folder / OWNER_FILE).read_text()))
 
 
-def _supervise(rank: int, worker_args: list[str], log, cell) -> int:
-    """Start the worker (output to `log`) and wait for it; `cell()` is the folder of the cell it runs (None: none yet)."""
+def _supervise(rank: int, worker_args: list[str], log, cell, owner: int | None = None) -> int:
+    """Start the worker (output to `log`) and wait for it; `cell()` is the folder of the cell it runs (None: none yet).
+    With `owner` (a pool's), the worker is killed once that process is gone, even in the middle of a cell."""
     worker = subprocess.Popen([sys.executable, "-m", __spec__.name, *worker_args], stdout=log, stderr=subprocess.STDOUT)
 
     def stop(signum, _frame):  # the launcher ends the job: end the worker, and say so
@@ -115,6 +116,10 @@ def _supervise(rank: int, worker_args: list[str], log, cell) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    while owner is not None and worker.poll() is None:
+        if not alive(owner):
+            worker.kill()
+        time.sleep(OWNER_POLL_SECONDS)
     returncode = worker.wait()
     outdir = cell()
     if outdir is not None and not outcome_path(outdir, rank).exists():
@@ -183,14 +188,20 @@ def next_job(folder: Path, index: int) -> dict | None:
     while not path.exists():
         if time.monotonic() - checked >= OWNER_POLL_SECONDS:
             checked = time.monotonic()
-            try:
-                os.kill(owner, 0)
-            except ProcessLookupError:
-                return None
-            if not folder.is_dir():
+            if not alive(owner) or not folder.is_dir():
                 return None
         time.sleep(JOB_POLL_SECONDS)
     return json.loads(path.read_text())
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def pool_work(folder: Path) -> int:

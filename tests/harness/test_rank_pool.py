@@ -35,3 +35,62 @@ def rank_one_raises(job: str, value: int) -> dict:
             time.sleep(0.05)
         raise RuntimeError(f"rank one's own error after gathering {result['gathered']}")
     return result
+
+
+def no_process_of(folder) -> bool:
+    """No process still has the folder on its command line (the pool's launcher, agent, supervisors and workers)."""
+    import subprocess
+
+    return subprocess.run(["pgrep", "-f", str(folder)], capture_output=True, text=True).stdout.strip() == ""
+
+
+def comparable(outcomes) -> list[tuple]:
+    """What a cell's verdict reads of each rank: state, failure (signature, message, frames) and result, the rank's pid aside."""
+    return [(o.rank, o.state, o.failure and (o.failure.signature(), o.failure.message, o.failure.frames),
+             o.result and {k: v for k, v in o.result.items() if k != "pid"}) for o in outcomes]
+
+
+CELLS = [("rank_gathers", 1), ("rank_gathers", 2), ("rank_one_raises", 3)]
+
+
+def test_a_warm_pool_gives_the_outcomes_of_one_launch_per_cell(tmp_path, monkeypatch):
+    """Three cells of a `ddp` launch (accelerate launch, two gloo ranks), one of whose ranks fails in the third: on one
+    warm pool, and launched one by one. The pool's first two cells ran in the same two processes (the pool was reached:
+    the second cell rebuilt accelerate's state and found the process group alive); every rank's state, failure and
+    result are the same both ways; the failing cell tore the pool down, every process of it gone."""
+    monkeypatch.setattr(pool, "_pools", type(pool._pools)())
+
+    folders = []
+
+    def run(launch, how: str) -> list:
+        found = []
+        for index, (function, value) in enumerate(CELLS):
+            job = tmp_path / how / str(index) / "job"
+            found.append(launch(f"{HERE}:{function}", job, 2, "ddp", "cpu", 180.0, {"job": str(job), "value": value}))
+            if how == "pool" and index < 2:
+                assert len(pool._pools) == 1, "the pool did not stay warm after a passing cell"
+                folders.extend(p.folder for p in pool._pools.values())
+        return found
+
+    pooled = run(pool.launch, "pool")
+    assert not pool._pools, "the failing cell left its pool warm"
+    launched = run(launcher.launch, "launched")
+
+    pids = [[o.result["pid"] for o in outcomes] for outcomes in pooled[:2]]
+    assert pids[0] == pids[1], f"the pool's second cell ran in other processes: {pids}"
+    assert [o.state for o in pooled[2]] == [RankState.PASSED, RankState.FAILED]
+    assert [comparable(o) for o in pooled] == [comparable(o) for o in launched]
+    assert len(set(folders)) == 1, f"one pool ran the passing cells: {folders}"
+    failed = tmp_path / "pool" / "2" / "job"
+    assert (failed / "rank-1.log").exists() and (failed / "launcher.log").exists()
+    assert not folders[0].exists() and no_process_of(folders[0])
+
+
+def test_the_pool_is_opt_in_and_its_switch_is_checked(monkeypatch):
+    monkeypatch.delenv(pool.POOL_ENV, raising=False)
+    assert not pool.enabled()
+    monkeypatch.setenv(pool.POOL_ENV, "1")
+    assert pool.enabled()
+    monkeypatch.setenv(pool.POOL_ENV, "yes")
+    with pytest.raises(pytest.UsageError, match="STACKCHECK_RANK_POOL='yes'"):
+        pool.enabled()
