@@ -11,6 +11,11 @@ ledger's `Failure` of the exception, with not_reached for a ScenarioNotReached. 
 exceptions like others: their message goes into the signature. The worker writes its pid for the launcher, and
 dumps every thread's Python stack to OUTDIR/rank-N.stacks on SIGUSR1 (the launcher's timeout) or a fatal signal.
 
+    python -m stackcheck.distributed.rank --pool FOLDER
+
+is a warm pool's rank (stackcheck.distributed.pool): the same supervisor, whose worker runs the cells the launcher
+hands over as FOLDER/job-K.json in turn, each with the files above in the cell's own folder.
+
 Nothing here imports torch until a rank's function asks for it: the supervisor is the standard library only.
 """
 
