@@ -41,8 +41,10 @@ from stackcheck.distributed.outcome import RankOutcome, RankState
 POOL_ENV = "STACKCHECK_RANK_POOL"
 # Two warm pools of two ranks each hold four interpreters with torch, transformers and DeepSpeed imported.
 MAX_POOLS = 2
-# Variables that change from test to test without changing the job.
-VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
+# Variables that change from test to test without changing the job: pytest's, and those torch sets in the caller
+# (to the defaults each rank's torch sets itself) once a test there builds a model (a tiny checkpoint: measured, a new
+# pool for every architecture's first cell without this).
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
 
 
 def enabled() -> bool:
