@@ -39,6 +39,7 @@ import pytest
 
 from stackcheck import exchange, hostinfo, results, scenario
 from stackcheck.core.cell import LOST, Cell, lane_of
+from stackcheck.distributed import pool as rank_pool
 from stackcheck.distributed.cells import Ranks
 from stackcheck.harness import axes
 from stackcheck.distributed.outcome import RanksFailed, judge_ranks
@@ -118,6 +119,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stackcheck_ledger = Ledger()
     except LedgerError as exc:
         raise pytest.UsageError(str(exc)) from None
+    rank_pool.enabled()  # STACKCHECK_RANK_POOL other than 0 or 1: pytest's usage error, before anything runs
     for family in config.stackcheck_ledger.families.values():
         config.addinivalue_line("markers", f"{family.id}: {family.title}")
     config.stackcheck_lanes = [lane for lane in config.getoption(LANES_OPTION).split(",") if lane]
