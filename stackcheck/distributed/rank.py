@@ -103,7 +103,8 @@ def supervise_pool(folder: Path) -> int:
         return Path(current) if current else None
 
     with log_path(folder, rank).open("w") as log:
-        return _supervise(rank, ["--pool-worker", str(folder)], log, cell, owner=int((folder / OWNER_FILE).read_text()))
+        # The worker's command line says --worker, as a launched cell's does (a guard's sitecustomize patches only there).
+        return _supervise(rank, ["--worker", "--pool", str(folder)], log, cell, owner=int((folder / OWNER_FILE).read_text()))
 
 
 def _supervise(rank: int, worker_args: list[str], log, cell, owner: int | None = None) -> int:
@@ -353,8 +354,8 @@ def assert_matches_one_process(engine: str, losses: list[float], single_losses: 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--pool"]:
         return supervise_pool(Path(argv[1]))
-    if argv[:1] == ["--pool-worker"]:
-        return pool_work(Path(argv[1]))
+    if argv[:2] == ["--worker", "--pool"]:
+        return pool_work(Path(argv[2]))
     worker = argv[:1] == ["--worker"]
     target, outdir = argv[1:] if worker else argv
     return (work if worker else supervise)(target, Path(outdir))
