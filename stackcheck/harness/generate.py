@@ -104,8 +104,15 @@ def share_past_the_first(compared: torch.Tensor, reference: torch.Tensor) -> tup
 def cached_and_full_logits(model, input_ids: torch.Tensor, new_tokens: int, **generate_kwargs) -> tuple[torch.Tensor, torch.Tensor, object]:
     """`generate`'s logits, step by step from its cache, and those of one forward of the same sequence without a cache
     (what uncached decoding computes at each step), as [steps, vocab] on the CPU; and `generate`'s cache."""
+    stepwise, full, cache, _sequence = decoded(model, input_ids, new_tokens, **generate_kwargs)
+    return stepwise, full, cache
+
+
+def decoded(model, input_ids: torch.Tensor, new_tokens: int, **generate_kwargs) -> tuple[torch.Tensor, torch.Tensor, object, torch.Tensor]:
+    """cached_and_full_logits, and the sequence the full forward read (the prompt and every new token but the last)."""
     out = model.generate(input_ids=input_ids, min_new_tokens=new_tokens, max_new_tokens=new_tokens, do_sample=False,
                          use_cache=True, output_logits=True, return_dict_in_generate=True, **generate_kwargs)
     stepwise = torch.stack(out.logits, dim=1)[0].float().cpu()
-    full = model(input_ids=out.sequences[:, :-1], use_cache=False).logits[0, input_ids.shape[1] - 1 :].float().cpu()
-    return stepwise, full, out.past_key_values
+    sequence = out.sequences[:, :-1]
+    full = model(input_ids=sequence, use_cache=False).logits[0, input_ids.shape[1] - 1 :].float().cpu()
+    return stepwise, full, out.past_key_values, sequence

@@ -421,3 +421,10 @@ def test_the_4bit_decode_kernel_is_known_on_any_architecture_with_a_4bit_base_on
     assert bf16.bug is None and bf16.verdict == NEW_FAILURE
     assert ledger.bugs["bnb_decode_kernel_divergence"].expected("gemma3", seed)
     assert not ledger.bugs["bnb_decode_kernel_divergence"].expected("llama", seed)
+
+
+def test_every_tolerance_signature_has_a_band(ledger):
+    """A ToleranceExceeded failure carries its measured value, and a signature without a band matches only failures
+    without one: such an entry could never match (the first two-GPU rerun of session 13 read "new signature of known
+    bug" for a resume bug filed without a band)."""
+    assert [b.id for b in ledger.bugs.values() if b.signature.exception == "ToleranceExceeded" and b.signature.band is None] == []

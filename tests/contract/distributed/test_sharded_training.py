@@ -203,8 +203,11 @@ def require_8bit_states(stepped, engine: str) -> list[int]:
     the unit) can all lie in rank 0's half; rank 1's optimizer then holds only empty views, never stepped and without
     state (the first two-GPU run: rank 1 read "set(), not uint8" while rank 0 passed). Such a rank proves nothing
     about the states by itself, and is not the failure of its scenario either: the job's is. Every rank's count of
-    tensors with uint8 states, by rank (a collective: every rank calls this)."""
-    held = [p for group in stepped.param_groups for p in group["params"] if local_numel(p) > 0]
+    tensors with uint8 states, by rank (a collective: every rank calls this). The tensors are those of the optimizer's
+    groups and those it holds state for: DeepSpeed's stage 3 puts its flat fp32 partitions into the groups only during
+    a step and empties them again (the two-GPU rerun read "no rank holds uint8 states" on ZeRO-3 from the empty groups)."""
+    tensors = [p for group in stepped.param_groups for p in group["params"]] + [p for p in stepped.state if torch.is_tensor(p)]
+    held = list({id(p): p for p in tensors if local_numel(p) > 0}.values())
     dtypes = {str(stepped.state[p]["state1"].dtype) if "state1" in stepped.state.get(p, {}) else "none" for p in held}
     mine = sum(1 for p in held if "state1" in stepped.state.get(p, {}) and stepped.state[p]["state1"].dtype == torch.uint8)
     counts = [0] * torch.distributed.get_world_size()

@@ -21,16 +21,24 @@ CPU: 0.0000 in every cell, seed and latest, seven architectures; cache_parity me
 attention switches kernels (cache_parity). Multimodal Gemma 3 through its PeftModel (all-linear targets) is the
 exception: 0.0080 on the CPU in bf16 with either cache (seed), all of it past the first position, 0.0 without the
 adapter, and 6.8e-7 with the same weights in fp32: the cache's logic is right, and the adapter's path for one token
-rounds otherwise in bf16 than for the full sequence. On two H100s it measured 0.0121 (static cache, seed and latest):
-a bf16 GPU cell past the tolerance therefore also prints the same cell in fp32, for the record (docs/contract-gpu-run.md).
+rounds otherwise in bf16 than for the full sequence. On two H100s it measured 0.0121 (static cache, seed and latest).
+So a bf16 cell past 0.01 is judged by bf16's rounding on its machine (`bf16_rounding_bound`): the same cell in fp32
+must decode exactly (within 1e-4), and the bf16 cell may then differ by twice what bf16's rounding does to the full
+forward of its own sequence. Measured on the CPU with the tolerance lowered to 0.001 to reach it (seed, multimodal
+Gemma 3 with its adapter, static cache): the fp32 cell 6.76e-7, bf16's rounding of the full forward 0.017, so a bound
+of 0.034 against the cell's 0.0080. Not yet run on a GPU.
 The bitsandbytes bug is filed by the base's kind in the message: "4-bit base" cells only.
 """
 
 import pytest
+import torch
 
 from stackcheck import scenario
+from stackcheck.harness.generate import decoded
 
 CACHE_TOLERANCE = 0.01
+# The fp32 twin of a bf16 cell past CACHE_TOLERANCE: multimodal Gemma 3's measured 6.8e-7 on the CPU.
+FP32_CACHE_LOGIC = 1e-4
 NEW_TOKENS = 6  # prompt (8) + new tokens stays under the 16 query tokens where torch's CPU attention switches kernels
 CACHE = {"dynamic": None, "static": "static"}
 QUANTIZATION = {"bf16": False, "nf4": True}
@@ -58,9 +66,9 @@ def require_cache(cache, implementation) -> None:
         scenario.require("Static" in type(cache).__name__, f"generate decoded from a {type(cache).__name__}, not a static cache")
 
 
-def assert_cached_decoding_matches(error: float, judged_by, quantized: bool) -> None:
+def assert_cached_decoding_matches(error: float, judged_by, quantized: bool, tolerance: float = CACHE_TOLERANCE) -> None:
     scenario.assert_within(f"generate's cached logits diverge from a full forward ({scenario.base_kind(quantized)}): relative error", error,
-                           CACHE_TOLERANCE, judged_by)
+                           tolerance, judged_by)
 
 
 @pytest.mark.axes(cache=CACHE, quantization=QUANTIZATION, adapter=ADAPTER)
@@ -68,15 +76,30 @@ def test_cached_decoding_matches_uncached(under_test, cache, quantization, adapt
     model = model_under_test(under_test, quantization, adapter)
     kwargs = {"cache_implementation": cache} if cache else {}
 
-    stepwise, full, used = scenario.cached_and_full_logits(model, prompt, NEW_TOKENS, **kwargs)
+    stepwise, full, used, sequence = decoded(model, prompt, NEW_TOKENS, **kwargs)
 
     require_cache(used, cache)
     error = scenario.relative_error(full, stepwise)
-    if error > CACHE_TOLERANCE and not quantization and under_test.device.type == "cuda":
-        # What the cache's logic does without bf16's rounding: the same weights in fp32 (torch's fp32 matmuls, no TF32).
-        # A cache that is wrong stays wrong in fp32; kernels that only round otherwise for one token do not. Printed for
-        # the record of a GPU run (docs/contract-gpu-run.md), not judged.
-        fp32 = model_under_test(under_test, quantization, adapter).float()  # a fresh one: generate keeps its static cache
-        again, reference, _ = scenario.cached_and_full_logits(fp32, prompt, NEW_TOKENS, **kwargs)
-        print(f"stackcheck measured: the same cell in fp32: relative error {scenario.relative_error(reference, again):.3g}")
-    assert_cached_decoding_matches(error, scenario.share_past_the_first(stepwise, full), quantization)
+    tolerance = CACHE_TOLERANCE
+    if error > CACHE_TOLERANCE and not quantization:
+        tolerance = bf16_rounding_bound(under_test, adapter, prompt, sequence, full, kwargs)
+    assert_cached_decoding_matches(error, scenario.share_past_the_first(stepwise, full), quantization, tolerance)
+
+
+def bf16_rounding_bound(under_test, adapter: bool, prompt, sequence, full, kwargs) -> float:
+    """The tolerance of a bf16 cell past CACHE_TOLERANCE, from what bf16's rounding does on this machine: the same
+    weights in fp32 (torch's fp32 matmuls) must decode from the cache exactly as without it (FP32_CACHE_LOGIC: a
+    cache that is wrong stays wrong in fp32), and then the bf16 cell may differ by twice what bf16's rounding alone does
+    to the full forward of its own sequence (the bf16 full forward against the fp32 one): the cached path rounds as
+    much again, in another order. A cache that is wrong only in bf16 (stored in another dtype, overflowing) is off by
+    far more than bf16's own rounding; one off by less cannot be told from it."""
+    fp32 = model_under_test(under_test, False, adapter).float()  # a fresh one: generate keeps its static cache
+    again, reference, _used, _sequence = decoded(fp32, prompt, NEW_TOKENS, **kwargs)
+    logic = scenario.relative_error(reference, again)
+    scenario.assert_within("the same cell in fp32 (the cache's logic without bf16's rounding): cached against uncached relative error",
+                           logic, FP32_CACHE_LOGIC)
+    with torch.no_grad():
+        exact = fp32(input_ids=sequence, use_cache=False).logits[0, prompt.shape[1] - 1 :].float().cpu()
+    rounding = scenario.relative_error(exact, full)
+    print(f"stackcheck measured: the same cell in fp32 {logic:.3g}; bf16's rounding of the full forward {rounding:.3g}")
+    return max(CACHE_TOLERANCE, 2 * rounding)
