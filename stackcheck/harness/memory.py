@@ -36,11 +36,17 @@ def require_gpu(under_test: UnderTest) -> None:
     require(under_test.device.type == "cuda" and torch.cuda.is_available(), f"{under_test.device} is no CUDA device: no allocator to read")
 
 
-def settled(device: torch.device) -> int:
+def settled(device: torch.device, deferred_frees: bool = False) -> int:
     """Allocated bytes on `device` once unreachable cycles are collected (an earlier test's, or ones a step leaves):
-    what live objects hold, whenever the garbage collector last ran."""
+    what live objects hold, whenever the garbage collector last ran. `deferred_frees`: also let the allocator
+    return the blocks of dead tensors that another stream used (`record_stream`, as trl's activation offloading
+    does for a tensor it brought back on its copy stream): such a block stays counted until the allocator
+    processes its stream's events, at a later allocation or at `empty_cache`, which does (and releases cached
+    blocks, which `memory_allocated` does not count). A live tensor stays counted either way."""
     gc.collect()
     torch.cuda.synchronize(device)
+    if deferred_frees:
+        torch.cuda.empty_cache()
     return allocated(device)
 
 
@@ -246,3 +252,43 @@ def parametrization_cache_kept():
         parametrize._cache_enabled = enabled
         if not enabled:
             parametrize._cache = {}
+
+
+# --- trl's activation offloading, as SFTTrainer(activation_offloading=True) applies it ---------------------------------
+
+
+def trl_activation_offloading(model: torch.nn.Module):
+    """trl's activation offloading context for `model`, built as SFTTrainer builds it once at its start
+    (`get_act_offloading_ctx_manager(model=self.model)`, on the PeftModel, defaults: pinned memory, a copy stream,
+    tensors of 1024 bytes or more) and entered around each step's forward and backward (its `training_step`; the
+    optimizer steps outside it). trl is imported here, not at the module's import: `require_trl_offloading` first."""
+    from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+    return get_act_offloading_ctx_manager(model=model)
+
+
+def offloaded_to_cpu(context) -> tuple[int, int]:
+    """(tensors, bytes) that trl's offloading context holds on the CPU for the backward, read from its tracker
+    between a forward and its backward: each entry's first item is the tensor it will hand back, its second whether
+    the tensor was offloaded (trl 1.16.0 adds strides and shapes after them; its earlier releases kept the pair)."""
+    moved = [entry[0] for entry in context.tracker.values() if entry[1]]
+    on_cpu = [t for t in moved if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+    return len(on_cpu), sum(t.numel() * t.element_size() for t in on_cpu)
+
+
+def require_trl_offloading() -> None:
+    """NotApplicable where trl, or its activation offloading, is not installed: no SFTTrainer to apply it."""
+    from stackcheck.models.tiny import NotApplicable
+
+    try:
+        import trl.models.activation_offloading  # noqa: F401
+    except ImportError as exc:
+        raise NotApplicable(f"trl's activation offloading is not installed ({exc})") from exc
+
+
+def still_tracked(context, device: torch.device) -> tuple[int, int]:
+    """(saved tensors, allocator bytes of those on `device`) that trl's offloading context still tracks: read
+    after a backward, the saved tensors no backward unpacked (their node never ran), which trl keeps until the
+    next step enters the context (1.5.0 and later clear its state there, trl PR #5730) or for good (earlier)."""
+    kept = [entry[0] for entry in context.tracker.values()]
+    return len(kept), held_bytes(kept, device)

@@ -71,3 +71,17 @@ def test_a_step_that_keeps_activations_fails_the_steps_property(monkeypatch):
     with pytest.raises(AssertionError, match=r"allocated between steps is not what the model held before them"):
         family().test_a_training_step_frees_what_it_allocates(llama3(), False)
     assert kept
+
+
+def test_offloading_that_keeps_a_steps_stale_state_fails_the_steps_property(monkeypatch):
+    """trl PR #5730's mechanism: trl's activation offloading entered again without clearing what the previous step
+    left (trl before 1.5.0: `saved_tensors_hooks`' own `__enter__`). On the tiny Gemma 4, one of whose saved tensors
+    no backward unpacks, its tracker then keeps one more tensor every step."""
+    pytest.importorskip("trl.models.activation_offloading")
+    from torch.autograd.graph import saved_tensors_hooks
+    from trl.models import activation_offloading
+
+    monkeypatch.setattr(activation_offloading.OffloadActivations, "__enter__", saved_tensors_hooks.__enter__)
+    gemma4 = scenario.UnderTest(architectures.builtin()["gemma4"], torch.device("cuda", 0))
+    with pytest.raises(AssertionError, match=r"still tracked after a backward accumulate|allocated between steps is not what"):
+        family().test_a_training_step_frees_what_it_allocates(gemma4, family().TRL_OFFLOADING)

@@ -32,9 +32,23 @@ that counts a process's tensors exactly):
   experts retained). Measured on the CPU (seed, bitsandbytes 0.49.2, tiny Mixtral, non-reentrant): the cache's
   counter rose by 4 a step (two parametrized weights in each of two layers) and it held 4 tensors, 1572864 bytes:
   every expert dequantized to bf16; the tiny Qwen3-MoE alike (786432 bytes); 0.48.2 and 0.49.0 as 0.49.2, 0.50.0 and
-  0.50.2 an empty cache; the tiny Qwen3-Next's early stop falls outside its experts (no leak). Also the class of trl
-  PR #5730 (activation offloading keeping bitsandbytes'
-  dequantization buffers).
+  0.50.2 an empty cache; the tiny Qwen3-Next's early stop falls outside its experts (no leak).
+  **Under trl's activation offloading** (axis value `trl_offloading`, what `SFTConfig(activation_offloading=True)`
+  runs: `get_act_offloading_ctx_manager(model=<the PeftModel>)` built once, entered around each step's forward and
+  backward as SFTTrainer's `training_step` does, the optimizer stepping outside it; SFTConfig's default checkpointing,
+  non-reentrant) the same invariant holds, and the saved tensors the context still tracks after a backward (those no
+  backward node unpacked) do not accumulate from step to step, exactly. trl before 1.5.0 reset its state only once
+  every saved tensor was unpacked: one that never is kept its tracker entries and flags from step to step (its
+  stashes too before trl PR #5700), a CUDA leak (trl PR #5730, fixed by clearing that state on entering the context; axolotl#3638: Gemma 4 QLoRA, OOM by step
+  2). The tiny Gemma 4 reaches it: a 12-byte bool saved tensor is never unpacked. Measured on the CPU with trl's
+  accelerator pointed at the CPU (a probe, not this test): trl 1.16.0 tracked 1 saved tensor after each of 4
+  backwards, trl 1.4.0 1, 2, 3, 4 (on a GPU one 512-byte block a step, within `STEP_BLOCKS`: hence the exact count); every
+  other tiny model 0. Between a forward and its backward trl 1.16.0 held 4 tensors (30720 bytes) on the CPU on the
+  tiny Llama 3, Phi-4, Qwen3, Qwen3-MoE and Mixtral, 6 (43008) on Qwen3-Next, 8 on Gemma 3 (55296; 54272 the
+  multimodal), 9 (38400) on Gemma 4: the final norm's and the loss's saved tensors, outside the checkpointed layers.
+  It hands some tensors it brought back to the compute stream (`record_stream`: 2 a step on the tiny Llama 3), whose
+  blocks the allocator counts until it processes their events: this cell reads after `empty_cache`, which does (a
+  live tensor stays counted).
 
 Precondition proven: the model is on the GPU, its 4-bit layers hold nested NF4 quant states; for the load peak, the
 bf16 bytes of the weights the load quantized exceed the allowance, so that a loader holding them all is told apart
@@ -43,7 +57,8 @@ bf16 bytes of the weights the load quantized exceed the allowance, so that a loa
 192 KiB quantized against 1024 and 512); for the footprint, the tolerance is below half the bf16 bytes of the largest
 4-bit weight (16 KiB on the tiny Gemma 4, 32 to 128 KiB on the others), so a layer keeping that weight in bf16 shows;
 for the steps, every decoder layer ran under checkpointing (or none, off), every step's loss is finite, the LoRA
-weights moved, and on a mixture of experts the parametrized experts ran in every step.
+weights moved, and on a mixture of experts the parametrized experts ran in every step; under trl's offloading,
+every step's forward left tensors on the CPU in its tracker (not applicable where trl is not installed).
 
 Tolerances, in allocator blocks (512 bytes): the allocator's rounding is computed, not tolerated. On the CPU the same
 arithmetic (storages rounded to blocks) equals what the loaded model holds to the byte on all nine tiny models (seed).
@@ -53,6 +68,8 @@ everything. Before the count starts, a matmul forward and backward warms up the 
 for the process) and one forward without gradients lets the model create what it creates at its first call. Not yet
 run on a GPU.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -67,7 +84,8 @@ LOADER_FACTOR = 2
 FOOTPRINT_BLOCKS = 8
 STEP_BLOCKS = 8
 STEPS = 4
-CHECKPOINTING = {"off": None, "reentrant": True, "non_reentrant": False}
+TRL_OFFLOADING = "trl_offloading"
+CHECKPOINTING = {"off": None, "reentrant": True, "non_reentrant": False, TRL_OFFLOADING: TRL_OFFLOADING}
 KIB = 1024
 
 
@@ -120,8 +138,13 @@ def test_the_loaded_model_weighs_the_nf4_arithmetic(under_test):
 def test_a_training_step_frees_what_it_allocates(under_test, checkpointing):
     memory.require_gpu(under_test)
     device = under_test.device
+    offloading = checkpointing == TRL_OFFLOADING
+    if offloading:
+        memory.require_trl_offloading()
     memory.warm_up_kernels(device)
-    model, dequantized = memory.qlora_with_quantized_experts(under_test, checkpointing)
+    # trl's activation offloading rides on SFTConfig's default checkpointing: on, non-reentrant (transformers 5's
+    # default, which SFTTrainer keeps; it sets the same for transformers 4).
+    model, dequantized = memory.qlora_with_quantized_experts(under_test, False if offloading else checkpointing)
     owners = memory.parametrized_4bit_owners(model)
     scenario.require(bool(owners) == bool(dequantized), f"{len(dequantized)} fused experts quantized, {len(owners)} modules "
                                                         "hold bitsandbytes' parametrized 4-bit weights")
@@ -132,7 +155,9 @@ def test_a_training_step_frees_what_it_allocates(under_test, checkpointing):
     initial = {name: p.detach().cpu().clone() for name, p in lora.items()}
     optimizer = torch.optim.AdamW(list(lora.values()), lr=1e-3)
     batch = scenario.training_batch(device, model.config)
-    excess, losses = [], []
+    # Built once on the PeftModel, entered around each step's forward and backward: SFTTrainer's way.
+    offload = memory.trl_activation_offloading(model) if offloading else None
+    excess, losses, offloaded, tracked = [], [], [], []
     with memory.parametrization_cache_kept(), memory.forward_calls(owners) as calls:
         # One forward without gradients first: whatever the model creates at its first call (a rotary table it
         # swaps) is made before the count starts. In eval mode no layer checkpoints, and the parametrization
@@ -143,11 +168,16 @@ def test_a_training_step_frees_what_it_allocates(under_test, checkpointing):
         model.train()
         warm_up_calls = dict(calls)
         seen = scenario.CheckpointingSeen(model)
-        before = memory.settled(device)
+        before = memory.settled(device, deferred_frees=offloading)
         for step in range(STEPS):
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(**batch).loss
-            loss.backward()
+            with offload if offloading else contextlib.nullcontext():
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = model(**batch).loss
+                if offloading:
+                    offloaded.append(memory.offloaded_to_cpu(offload))
+                loss.backward()
+            if offloading:
+                tracked.append(memory.still_tracked(offload, device))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
@@ -157,13 +187,20 @@ def test_a_training_step_frees_what_it_allocates(under_test, checkpointing):
             elif step == 0:
                 seen.require_all()
             state = memory.held_bytes(memory.optimizer_state_tensors(optimizer), device)
-            excess.append(memory.settled(device) - before - state)
+            excess.append(memory.settled(device, deferred_frees=offloading) - before - state)
     scenario.require(all(torch.isfinite(torch.tensor(losses))), f"losses {losses}")
     scenario.require(any(not torch.equal(initial[name], p.detach().cpu()) for name, p in lora.items()), "the steps moved no LoRA tensor")
     stepped = {name: calls[name] - warm_up_calls[name] for name in owners}
     scenario.require(all(n >= STEPS for n in stepped.values()), f"the parametrized experts did not run in every step: {stepped}")
+    if offloading:
+        scenario.require(all(n > 0 for n, _bytes in offloaded), f"trl's activation offloading moved no tensor to the CPU in some "
+                                                               f"step: (tensors, bytes) by step {offloaded}")
+        print(f"stackcheck measured: trl's offloading held on the CPU between forward and backward (tensors, bytes) by step "
+              f"{offloaded}; saved tensors it still tracked after each backward (tensors, bytes on the GPU): {tracked}")
     print(f"stackcheck measured: allocated between steps beyond the model and the optimizer's state, by step: {excess} bytes")
-    if dequantized:
+    if offloading and not dequantized:
+        judged_by = ("GPU bytes trl's offloading still tracked after the last backward:", tracked[-1][1])
+    elif dequantized:
         judged_by = ("the excess over the dequantized bytes of the parametrized experts:",
                      max(excess) / sum(memory.allocator_bytes(n) for n in dequantized.values()))
     else:
@@ -171,3 +208,7 @@ def test_a_training_step_frees_what_it_allocates(under_test, checkpointing):
     scenario.assert_within(f"allocated between steps is not what the model held before them plus the optimizer's state "
                            f"({STEPS} steps): largest difference, KiB", max(abs(e) for e in excess) / KIB,
                            STEP_BLOCKS * memory.BLOCK / KIB, judged_by=judged_by)
+    if offloading:
+        scenario.assert_within("saved tensors trl's activation offloading still tracked after a backward accumulate across steps: "
+                               f"growth from the first step to the last, of {STEPS}", tracked[-1][0] - tracked[0][0], 0,
+                               judged_by=("the GPU bytes they hold, growth:", tracked[-1][1] - tracked[0][1]))
