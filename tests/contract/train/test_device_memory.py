@@ -63,9 +63,10 @@ every step's forward left tensors on the CPU in its tracker (not applicable wher
 Tolerances, in allocator blocks (512 bytes): the allocator's rounding is computed, not tolerated. On the CPU the same
 arithmetic (storages rounded to blocks) equals what the loaded model holds to the byte on all nine tiny models (seed).
 `FOOTPRINT_BLOCKS` (8, 4 KiB) leaves room for the one dynamic code table bitsandbytes caches per process at its first
-double-quant quantization (1 KiB, held by no model). `STEP_BLOCKS` the same, for nothing known: a step should free
-everything. Before the count starts, a matmul forward and backward warms up the cuBLAS workspaces (held per thread
-for the process) and one forward without gradients lets the model create what it creates at its first call. Not yet
+double-quant quantization (1 KiB, held by no model). `STEP_BLOCKS` the same: a step should free everything; the one
+thing known to stay is the tiny Gemma 4's never-unpacked saved tensor under trl 1.16.0's offloading, one block (512
+bytes in the CPU probe's arithmetic), held until the next step enters the context and not growing. Before the count
+starts, a matmul forward and backward warms up the cuBLAS workspaces (held per thread for the process) and one forward without gradients lets the model create what it creates at its first call. Not yet
 run on a GPU.
 """
 
