@@ -64,6 +64,8 @@ def engine_config(engine: str, options: dict | None = None, outdir: Path | None 
 JOB_PORTS = range(20000, 32000)  # 60 slices
 # Each xdist worker (gwN) draws from a slice of its own, so concurrent jobs of one run never pick the same port.
 PORTS_PER_WORKER = 200
+# How many times a job is started before a lost port is its outcome.
+PORT_ATTEMPTS = 3
 _next_port = 0
 
 
@@ -125,17 +127,14 @@ def launch(target: str, outdir: Path, world_size: int = 2, engine: str | None = 
     """Run `target` (MODULE:FUNCTION, called with `kwargs`) on `world_size` ranks, launched with the engine's config
     (changed by `engine_options`, see engine_config); every rank's outcome, by rank. Every process of the job is gone
     when this returns. `once`: what runs one attempt (launch_once, or a warm pool's, stackcheck.distributed.pool)."""
-    for attempt in range(PORT_ATTEMPTS):
+    for _attempt in range(PORT_ATTEMPTS - 1):
         found = (once or launch_once)(target, outdir, world_size, engine, lane, timeout, kwargs, engine_options)
-        if not lost_the_port(found) or attempt == PORT_ATTEMPTS - 1:
+        if not lost_the_port(found):
             return found
         for rank in range(world_size):  # a fresh start: the dead job's files would read as this one's
             for path in (rank_side.outcome_path(outdir, rank), rank_side.log_path(outdir, rank), rank_side.stacks_path(outdir, rank)):
                 path.unlink(missing_ok=True)
-    return found
-
-
-PORT_ATTEMPTS = 3
+    return (once or launch_once)(target, outdir, world_size, engine, lane, timeout, kwargs, engine_options)
 
 
 def launch_once(target: str, outdir: Path, world_size: int, engine: str | None, lane: str, timeout: float,
