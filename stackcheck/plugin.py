@@ -38,14 +38,14 @@ from pathlib import Path
 import pytest
 
 from stackcheck import exchange, hostinfo, results, scenario
-from stackcheck.core.cell import LOST, Cell, lane_of
+from stackcheck.core.cell import LOST, Cell, detail_of, lane_of
 from stackcheck.distributed import pool as rank_pool
 from stackcheck.distributed.cells import Ranks
 from stackcheck.harness import axes
 from stackcheck.distributed.outcome import RanksFailed, judge_ranks
 from stackcheck.models import architectures, tiny
 from stackcheck.ledger import (
-    ERROR, FIXED, KNOWN_BUG, NOT_AFFECTED, NOT_APPLICABLE, SKIPPED, Failure, Judgement, Ledger, LedgerError, family_modules,
+    ERROR, FIXED, KNOWN_BUG, NEW_FAILURE, NOT_AFFECTED, NOT_APPLICABLE, SKIPPED, Failure, Judgement, Ledger, LedgerError, family_modules,
 )
 from stackcheck.models.tiny import FixtureError, NotApplicable
 from stackcheck.protocol import (
@@ -272,6 +272,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         return
     judgement = _judge(item, call, report, family)
     cell = Cell.judged(item.config.getoption(SET_OPTION), family, item.nodeid, item.config.stackcheck_arch_names, judgement)
+    if judgement.verdict in (NEW_FAILURE, ERROR) and call.excinfo is not None:  # kept for whoever researches it
+        cell = cell.replace(detail=detail_of(str(call.excinfo.value)))
     if hasattr(item, "stackcheck_ranks"):  # a distributed job's cell records every rank
         cell = cell.replace(ranks=getattr(item, "stackcheck_rank_records", None) or judge_ranks(item.stackcheck_ranks, None)[1])
     report.user_properties.append((CELL_KEY, cell.to_dict()))  # plain data: xdist sends it from the worker

@@ -17,9 +17,19 @@ from stackcheck.ledger import ERROR
 # The keys every recorded cell has, in this order (matrix.json's format).
 KEYS = ("set", "family", "test", "lane", "arch", "verdict", "signature", "bug", "note", "seconds")
 # Keys a cell has only where they apply: a distributed job's ranks (stackcheck.distributed.outcome.rank_record),
-# and the id of the pytest run that recorded it (stackcheck.protocol.RUN_ENV).
-OPTIONAL_KEYS = ("ranks", "run")
+# the id of the pytest run that recorded it (stackcheck.protocol.RUN_ENV), and the failure's detail.
+# `detail`: the tail of a new_failure's or error's message (a child process's output, say), kept for research.
+OPTIONAL_KEYS = ("ranks", "run", "detail")
+DETAIL_LINES, DETAIL_CHARS = 30, 3000
 LOST = "cell lost: the run ended before this cell's verdict (a crashed worker or process)"
+
+
+def detail_of(message: str) -> str | None:
+    """What a failure's message says past its first line (which the signature keeps), at most its last
+    DETAIL_LINES lines and DETAIL_CHARS characters; None where it says nothing more."""
+    rest = message.strip().splitlines()[1:]
+    text = "\n".join(rest[-DETAIL_LINES:]).strip()
+    return text[-DETAIL_CHARS:] or None
 
 
 def lane_of(nodeid: str) -> str:
@@ -49,6 +59,7 @@ class Cell:
     seconds: float = 0.0
     ranks: list[dict] | None = None
     run: str | None = None
+    detail: str | None = None  # the message's last lines beyond the signature's first one (`detail_of`)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # keys of a later format, kept as they are
 
     @property
@@ -95,11 +106,11 @@ class Cell:
         known = {*KEYS, *OPTIONAL_KEYS}
         return cls(data["set"], data["family"], data["test"], data["lane"], str(data["verdict"]), data.get("arch"),
                    data.get("signature"), data.get("bug"), data.get("note"), data.get("seconds", 0.0),
-                   data.get("ranks"), data.get("run"), {k: v for k, v in data.items() if k not in known})
+                   data.get("ranks"), data.get("run"), data.get("detail"), {k: v for k, v in data.items() if k not in known})
 
     def to_dict(self) -> dict[str, Any]:
         data = {"set": self.set_name, "family": self.family, "test": self.test, "lane": self.lane, "arch": self.arch,
                 "verdict": self.verdict, "signature": self.signature, "bug": self.bug, "note": self.note,
                 "seconds": self.seconds}
-        data |= {key: value for key, value in (("ranks", self.ranks), ("run", self.run)) if value is not None}
+        data |= {key: value for key, value in (("ranks", self.ranks), ("run", self.run), ("detail", self.detail)) if value is not None}
         return self.extra | data

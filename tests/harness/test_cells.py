@@ -42,7 +42,7 @@ QUICK_MODULE = textwrap.dedent("""
 
     @pytest.mark.parametrize("n", ["one", "two"])
     def test_counts(n):
-        assert os.environ.get("QUICK_FAIL") != n, f"told to fail {n}"
+        assert os.environ.get("QUICK_FAIL") != n, f"told to fail {n}\\nthe child's output: line two"
 """)
 EXTRA_LEDGER = textwrap.dedent("""
     [families.quick]
@@ -182,6 +182,9 @@ def test_a_rerun_replaces_only_what_it_ran_and_an_empty_or_stopped_one_loses_not
     assert run("-k", "two", run="r2", QUICK_FAIL="two").returncode == 1
     checked = dict(first, **{"test_counts[cpu-two]": ("new_failure", "r2")})
     assert verdicts() == checked
+    failed = cells_of(results)["tests/families/test_quick.py::test_counts[cpu-two]"]
+    assert failed["signature"].startswith("AssertionError: told to fail two @ ")  # the first line; the rest is kept apart
+    assert failed["detail"].startswith("the child's output: line two"), failed
     on_disk = results.read_bytes(), results.with_suffix(".md").read_bytes()
     assert run("-k", "no_such_test", run="r3").returncode == 5
     assert (results.read_bytes(), results.with_suffix(".md").read_bytes()) == on_disk

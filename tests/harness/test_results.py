@@ -229,7 +229,7 @@ def test_a_run_that_stops_early_puts_back_what_its_placeholders_replaced(tmp_pat
 
 def test_a_cell_survives_the_file_as_it_is_and_keeps_keys_it_does_not_know():
     data = {"set": "seed", "family": "f", "test": "t[cpu]", "lane": "cpu", "arch": None, "verdict": "error", "signature": "s",
-            "bug": None, "note": None, "seconds": 0.5, "ranks": [{"rank": 0}], "run": "r", "from_the_future": 1}
+            "bug": None, "note": None, "seconds": 0.5, "ranks": [{"rank": 0}], "run": "r", "detail": "d", "from_the_future": 1}
     assert Cell.from_dict(data).to_dict() == data
     old = {k: v for k, v in data.items() if k in results.CELL_KEYS}  # a cell of a file from before `ranks` and `run`
     assert Cell.from_dict(old).to_dict() == old
