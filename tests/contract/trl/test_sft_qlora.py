@@ -10,8 +10,11 @@ The property, on every architecture (the tiny model, NF4 with double quant, the 
 dataset of fixed sentences built in memory with `datasets.Dataset.from_dict`, a word-level tokenizer built in memory):
 - every logged loss is finite, and every LoRA tensor moved;
 - the frozen 4-bit base (packed weights and quant states) is bit-identical after training;
-- the saved adapter, reloaded onto a fresh 4-bit base, reproduces the trained model's adapter effect (its logits
-  minus its own adapter-disabled logits) within `RELOAD_TOLERANCE`.
+- the saved adapter, reloaded onto a fresh 4-bit base given the trained model's parameter dtypes and run in the
+  training's mixed precision (accelerate wraps the trained model's forward in its autocast), reproduces the
+  trained model's adapter effect (its logits minus its own adapter-disabled logits) within `ROUND_TRIP_TOLERANCE`;
+- reloaded onto the plain fresh 4-bit base, as users load it for inference, it keeps the trained effect's size:
+  the part of it along the trained effect is 1 within `RELOAD_TOLERANCE`.
 On an image model (Gemma 3 with its SigLIP tower) the dataset is conversational with an image per example
 (`messages` whose user turn holds an image, and `images`, as trl's vision-language SFT example has it), trl's vision
 collator runs the model's processor and chat template, and the batch carries pixel values.
@@ -25,9 +28,14 @@ Precondition proven: the base is NF4 with nested quant state, the trainer wrappe
 training ran its steps (the loss was logged), the trained adapter changes the outputs, and on an image model the
 image does (another image gives other logits).
 
-Tolerance: the reloaded model runs its norms in bf16, while the trained one has them in fp32
-(`prepare_model_for_kbit_training` upcasts them), so the effect is compared, not the logits. Measured in the docs
-(docs/contract-trl-architectures.md): relative error of the reloaded effect against the trained one.
+Tolerance: the plain reloaded model runs its norms in bf16, while the trained one has them in fp32
+(`prepare_model_for_kbit_training` upcasts them). That difference is the recipe's, not a bug's, and its size
+depends on the architecture and the kernels: the plain reload's effect differed from the trained one by 0.8 to 1.4%
+on the CPU (docs/contract-trl-architectures.md) and by 6.7% on Qwen3-Next on an H200, with 0.9979 of the effect
+kept. So the exactness is judged where the dtypes and the autocast match (the same weights, kernels and dtypes:
+equal up to `ROUND_TRIP_TOLERANCE`; measured 0.0000 on all nine tiny models on the CPU, seed and latest; without
+the autocast Qwen3-Next read 0.0157 on the CPU), and the user's plain reload by the effect it keeps, which a missing or misnamed tensor
+lowers and dtype noise, across the effect, does not.
 """
 
 import pytest
@@ -40,6 +48,7 @@ from stackcheck.models import tiny
 
 STEPS = 4
 LEARNING_RATE = 1e-2
+ROUND_TRIP_TOLERANCE = 1e-3
 RELOAD_TOLERANCE = 0.05
 READY_STEPS = 2  # the ready-PeftModel cell: a frozen adapter shows at the first step
 
@@ -86,6 +95,18 @@ def adapter_effect(model, batch) -> torch.Tensor:
     return with_adapter - without
 
 
+def with_dtypes_of(model, trained) -> None:
+    """Give `model`'s floating parameters the dtypes of the same-named parameters of `trained` (the norms
+    `prepare_model_for_kbit_training` upcast), so that a reload computes as the trained model did."""
+    dtypes = {name: p.dtype for name, p in trained.named_parameters()}
+    cast = 0
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and name in dtypes and p.dtype != dtypes[name]:
+            p.data = p.data.to(dtypes[name])
+            cast += 1
+    print(f"stackcheck measured: {cast} parameters of the reload cast to the trained model's dtypes")
+
+
 def test_sft_qlora_trains_the_adapter_and_it_reloads(under_test, tmp_path):
     from peft import PeftModel
     from trl import SFTTrainer
@@ -120,11 +141,20 @@ def test_sft_qlora_trains_the_adapter_and_it_reloads(under_test, tmp_path):
             other = model(**{**batch, "pixel_values": batch["pixel_values"].flip(-1)}).logits
             scenario.require(not torch.equal(other, model(**batch).logits), "the image does not change the outputs")
     trainer.save_model(str(tmp_path / "adapter"))
+    matched = PeftModel.from_pretrained(scenario.load_base(under_test), tmp_path / "adapter").eval()
+    with_dtypes_of(matched, model)
+    with trainer.accelerator.autocast():  # the trained model's forward is wrapped in the run's mixed precision
+        error = scenario.relative_error(adapter_effect(matched, batch), trained)
+    scenario.assert_within("the reloaded SFT adapter's effect differs from the trained one (the trained model's dtypes): "
+                           "relative error", error, ROUND_TRIP_TOLERANCE)
+    del matched
     reloaded = PeftModel.from_pretrained(scenario.load_base(under_test), tmp_path / "adapter").eval()
-    error = scenario.relative_error(adapter_effect(reloaded, batch), trained)
-    scenario.assert_within("the reloaded SFT adapter's effect differs from the trained one: relative error", error,
-                           RELOAD_TOLERANCE, judged_by=("of the trained effect kept", scenario.effect_kept(
-                               adapter_effect(reloaded, batch), trained, torch.zeros_like(trained))))
+    plain = adapter_effect(reloaded, batch)
+    kept = scenario.effect_kept(plain, trained, torch.zeros_like(trained))
+    print(f"stackcheck measured: the plain reload's effect against the trained one: relative error "
+          f"{scenario.relative_error(plain, trained):.4f}")
+    scenario.assert_within("the plain reloaded SFT adapter keeps another share of the trained effect: |1 - kept|",
+                           abs(1 - kept), RELOAD_TOLERANCE, judged_by=("of the trained effect kept", kept))
 
 
 def test_sft_trains_a_ready_peft_model_on_a_kbit_base(under_test, tmp_path):
