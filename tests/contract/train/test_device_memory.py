@@ -36,7 +36,7 @@ that counts a process's tensors exactly):
   **Under trl's activation offloading** (axis value `trl_offloading`, what `SFTConfig(activation_offloading=True)`
   runs: `get_act_offloading_ctx_manager(model=<the PeftModel>)` built once, entered around each step's forward and
   backward as SFTTrainer's `training_step` does, the optimizer stepping outside it; SFTConfig's default checkpointing,
-  non-reentrant) the same invariant holds, and the saved tensors the context still tracks after a backward (those no
+  non-reentrant) what is allocated between steps does not grow from the first step on, and the saved tensors the context still tracks after a backward (those no
   backward node unpacked) do not accumulate from step to step, exactly. trl before 1.5.0 reset its state only once
   every saved tensor was unpacked: one that never is kept its tracker entries and flags from step to step (its
   stashes too before trl PR #5700), a CUDA leak (trl PR #5730, fixed by clearing that state on entering the context; axolotl#3638: Gemma 4 QLoRA, OOM by step
@@ -66,8 +66,14 @@ arithmetic (storages rounded to blocks) equals what the loaded model holds to th
 double-quant quantization (1 KiB, held by no model). `STEP_BLOCKS` the same: a step should free everything; the one
 thing known to stay is the tiny Gemma 4's never-unpacked saved tensor under trl 1.16.0's offloading, one block (512
 bytes in the CPU probe's arithmetic), held until the next step enters the context and not growing. Before the count
-starts, a matmul forward and backward warms up the cuBLAS workspaces (held per thread for the process) and one forward without gradients lets the model create what it creates at its first call. Not yet
-run on a GPU.
+starts, a matmul forward and backward warms up the cuBLAS workspaces (held per thread for the process) and one forward without gradients lets the model create what it creates at its first call.
+
+Measured on an H100 (set seed: bitsandbytes 0.49.2, trl 1.16.0): the load peak, the NF4 footprint and the steps
+without offloading pass on all nine tiny models, to the block; the tiny Mixtral and Qwen3-MoE under non-reentrant
+checkpointing hold their dequantized experts (`bnb_parametrize_cache_leak_nonreentrant`, its 0.99 to 1.01 band met on
+the GPU). Under trl's offloading every model held a constant between steps (-88.5 to +12 KiB; with trl 1.4.0 on
+latest, +12 KiB on eight models), which is why that axis judges the growth; trl 1.4.0 on the tiny Gemma 4 tracked
+1, 2, 3, 4 saved tensors after the four backwards (512 bytes each), trl 1.16.0 one at every step.
 """
 
 import contextlib
@@ -199,16 +205,24 @@ def test_a_training_step_frees_what_it_allocates(under_test, checkpointing):
         print(f"stackcheck measured: trl's offloading held on the CPU between forward and backward (tensors, bytes) by step "
               f"{offloaded}; saved tensors it still tracked after each backward (tensors, bytes on the GPU): {tracked}")
     print(f"stackcheck measured: allocated between steps beyond the model and the optimizer's state, by step: {excess} bytes")
-    if offloading and not dequantized:
-        judged_by = ("GPU bytes trl's offloading still tracked after the last backward:", tracked[-1][1])
-    elif dequantized:
-        judged_by = ("the excess over the dequantized bytes of the parametrized experts:",
-                     max(excess) / sum(memory.allocator_bytes(n) for n in dequantized.values()))
+    if offloading:
+        # trl's context holds a constant of its own between steps (its streams' blocks): measured on an H100, -88.5 to
+        # +12 KiB beyond the model and the optimizer's state, the same at every step, on each tiny model (seed, trl
+        # 1.16.0; latest with trl 1.4.0: +12 KiB). So the first step is the reference here and the growth is judged; a
+        # cache that keeps what it should drop from the first step on is the non_reentrant cell's to catch.
+        scenario.assert_within(f"allocated between steps grows under trl's activation offloading ({STEPS} steps, the first "
+                               "the reference): largest growth, KiB", max(abs(e - excess[0]) for e in excess) / KIB,
+                               STEP_BLOCKS * memory.BLOCK / KIB,
+                               judged_by=("GPU bytes trl's offloading still tracked after the last backward:", tracked[-1][1]))
     else:
-        judged_by = ("growth from the first step to the last, KiB:", (excess[-1] - excess[0]) / KIB)
-    scenario.assert_within(f"allocated between steps is not what the model held before them plus the optimizer's state "
-                           f"({STEPS} steps): largest difference, KiB", max(abs(e) for e in excess) / KIB,
-                           STEP_BLOCKS * memory.BLOCK / KIB, judged_by=judged_by)
+        if dequantized:
+            judged_by = ("the excess over the dequantized bytes of the parametrized experts:",
+                         max(excess) / sum(memory.allocator_bytes(n) for n in dequantized.values()))
+        else:
+            judged_by = ("growth from the first step to the last, KiB:", (excess[-1] - excess[0]) / KIB)
+        scenario.assert_within(f"allocated between steps is not what the model held before them plus the optimizer's state "
+                               f"({STEPS} steps): largest difference, KiB", max(abs(e) for e in excess) / KIB,
+                               STEP_BLOCKS * memory.BLOCK / KIB, judged_by=judged_by)
     if offloading:
         scenario.assert_within("saved tensors trl's activation offloading still tracked after a backward accumulate across steps: "
                                f"growth from the first step to the last, of {STEPS}", tracked[-1][0] - tracked[0][0], 0,
