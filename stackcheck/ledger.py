@@ -14,7 +14,7 @@ import re
 import sysconfig
 import tomllib
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -179,14 +179,27 @@ class Failure:
 
     @classmethod
     def from_exception(cls, exc: BaseException, not_reached: bool = False) -> Failure:
+        """The failure of `exc`. An exception that reports a process the test ran failing (a `child_failure`: the
+        Failure that process wrote of its own exception) is that failure, below the frames that ran the process: the
+        ledger judges what raised in the child (a library's exception, message and frame), not the report of it."""
         frames = tuple(f"{short_path(f.filename)}:{f.name}" for f in traceback.extract_tb(exc.__traceback__)
                        if f.name not in COMPREHENSION_FRAMES)
+        child = getattr(exc, "child_failure", None)
+        if isinstance(child, Failure):
+            return replace(child, frames=frames + child.frames, not_reached=not_reached or child.not_reached)
         mro = tuple(k.__name__ for k in type(exc).__mro__)
         message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
         if isinstance(exc, AssertionError):
             # pytest's assertion rewriting appends its own explanation; the ledger describes the test's message.
             message = re.sub(r"\nassert .*\Z", "", message, flags=re.DOTALL)
         return cls(type(exc).__name__, mro, message, frames, getattr(exc, "measured", None), not_reached)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Failure:
+        return cls(**{**data, "exception_mro": tuple(data["exception_mro"]), "frames": tuple(data["frames"])})
 
     @property
     def raising_frame(self) -> str:

@@ -43,7 +43,7 @@ class RankOutcome:
     def from_json(cls, data: dict) -> RankOutcome:
         failure = data.get("failure")
         if failure is not None:
-            failure = Failure(**{**failure, "exception_mro": tuple(failure["exception_mro"]), "frames": tuple(failure["frames"])})
+            failure = Failure.from_json(failure)
         return cls(data["rank"], RankState(data["state"]), failure, data.get("seconds"), data.get("stacks"), data.get("result"))
 
     def write(self, path: Path) -> None:

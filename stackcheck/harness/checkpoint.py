@@ -1,6 +1,8 @@
 """Checkpoint: a QLoRA run through transformers' Trainer that saves checkpoints, what it did at each step, and its
 resumption from a checkpoint in a fresh process (`resume_in_fresh_process`, which runs this module as a program with
-the interpreter running the tests: the set's python).
+the interpreter running the tests: the set's python). Where the fresh process raises, it writes the ledger's Failure of
+its exception, and the ResumeFailed it ends in carries it: the cell is judged by what raised there (a library's
+exception, message and frame), as a failure in the test's own process is.
 
 Both processes build the same run (`qlora_trainer`): the 4-bit base, PEFT's QLoRA recipe with LoRA dropout (so the
 RNG state a checkpoint restores matters), a dataset of distinct samples the Trainer shuffles (so the batches a resume
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from stackcheck import REPO_ROOT
+from stackcheck.ledger import Failure
 from stackcheck.harness.load import first_nested_linear4bit
 from stackcheck.harness.subject import UnderTest
 from stackcheck.harness.train import TRAINING_IDS, kbit_lora_model, load_base_in, lora_parameters
@@ -164,25 +167,48 @@ def resume(under_test: UnderTest, checkpoint: Path, output_dir: Path, optim: str
 
 
 class ResumeFailed(RuntimeError):
-    """The fresh process did not finish its resume: its output's tail says why."""
+    """The fresh process did not finish its resume: its output's tail says why, and where it raised, the first line
+    names its exception and `child_failure` is the Failure it wrote of it (what the ledger judges the cell by)."""
+
+    def __init__(self, message: str, child_failure: Failure | None = None):
+        super().__init__(message)
+        self.child_failure = child_failure
+
+
+def resume_call(under_test: UnderTest, checkpoint: Path, output_dir: Path, optim: str) -> Path:
+    """OUTPUT_DIR/resume.json: what the fresh process resumes (the architecture by its fields, a user's config.json
+    included), and where it writes its Record, or the Failure of its exception (none left from an earlier call)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    arch = under_test.arch
+    fields = dataclasses.asdict(arch) | {"declared": None if arch.declared is None else sorted(arch.declared)}
+    call = output_dir / "resume.json"
+    (output_dir / "failure.json").unlink(missing_ok=True)
+    call.write_text(json.dumps({"architecture": fields, "device": str(under_test.device), "checkpoint": str(checkpoint),
+                                "output_dir": str(output_dir), "optim": optim, "record": str(output_dir / "record.pt"),
+                                "failure": str(output_dir / "failure.json")}))
+    return call
+
+
+def resume_failed(call: Path, returncode: int, output: str) -> ResumeFailed:
+    """The fresh process of `call` ended with `returncode` before its Record: the tail of its output, and where it
+    raised (a process killed by a signal writes nothing), its exception's signature and Failure."""
+    tail = "\n".join(output.strip().splitlines()[-25:])
+    written = Path(json.loads(call.read_text())["failure"])
+    failure = Failure.from_json(json.loads(written.read_text())) if written.is_file() else None
+    raised = f" {failure.signature()}" if failure is not None else ""
+    return ResumeFailed(f"the resuming process exited with {returncode}:{raised}\n{tail}", failure)
 
 
 def resume_in_fresh_process(under_test: UnderTest, checkpoint: Path, output_dir: Path, optim: str,
                             timeout: float = RESUME_TIMEOUT) -> Record:
     """`resume` in a new process of this interpreter (the user's second `python train.py --resume`), which rebuilds
     the architecture from its fields (a user's config.json included). Its Record."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    arch = under_test.arch
-    fields = dataclasses.asdict(arch) | {"declared": None if arch.declared is None else sorted(arch.declared)}
-    call = output_dir / "resume.json"
-    call.write_text(json.dumps({"architecture": fields, "device": str(under_test.device), "checkpoint": str(checkpoint),
-                                "output_dir": str(output_dir), "optim": optim, "record": str(output_dir / "record.pt")}))
+    call = resume_call(under_test, checkpoint, output_dir, optim)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, "-m", __name__, str(call)], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
-        raise ResumeFailed(f"the resuming process exited with {done.returncode}:\n{tail}")
+        raise resume_failed(call, done.returncode, done.stdout + done.stderr)
     return Record.load(output_dir / "record.pt")
 
 
@@ -194,7 +220,12 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore")
     call = json.loads(Path(argv[0]).read_text())
     under_test = UnderTest(Architecture(**call["architecture"]), torch.device(call["device"]))
-    record = resume(under_test, Path(call["checkpoint"]), Path(call["output_dir"]), call["optim"])
+    try:
+        record = resume(under_test, Path(call["checkpoint"]), Path(call["output_dir"]), call["optim"])
+    except Exception as exc:  # its Failure, for the test's process to be judged by; the traceback still goes to stderr
+        not_reached = "ScenarioNotReached" in (k.__name__ for k in type(exc).__mro__)
+        Path(call["failure"]).write_text(json.dumps(Failure.from_exception(exc, not_reached).to_json()))
+        raise
     record.save(Path(call["record"]))
     return 0
 

@@ -3,7 +3,9 @@ real family code), never on hand-made frame strings. The versions handed to `jud
 pure function of the test, the versions and the failure."""
 
 import importlib
+import json
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -428,3 +430,46 @@ def test_every_tolerance_signature_has_a_band(ledger):
     without one: such an entry could never match (the first two-GPU rerun of session 13 read "new signature of known
     bug" for a resume bug filed without a band)."""
     assert [b.id for b in ledger.bugs.values() if b.signature.exception == "ToleranceExceeded" and b.signature.band is None] == []
+
+
+
+def test_a_resume_in_a_fresh_process_is_judged_by_what_raised_there(ledger, versions, tmp_path, capsys):
+    """trainer_resume resumes in a fresh process (stackcheck.harness.checkpoint): the exception that process raised, not
+    the report of its exit, is the cell's failure, judged by its library's exception, message and frame. The child's
+    side runs here in this process (a fresh one costs 17 s of imports; the family's CPU cells spawn it for real): the
+    Trainer's resume from a checkpoint that is not there raises transformers' ValueError, the Failure it writes comes
+    back in ResumeFailed. Before, every child failure read `ResumeFailed: the resuming process exited with 1: @ tests/...`,
+    a new failure no bug could match: seed's Mixtral cells on the GPU hid peft_moe_weightconverter_kwargs behind it."""
+    from stackcheck.harness import checkpoint
+
+    missing = tmp_path / "run" / "checkpoint-2"
+    call = checkpoint.resume_call(LLAMA3, missing, tmp_path / "resumed", "adamw_torch")
+    with pytest.raises(ValueError):
+        checkpoint.main([str(call)])
+    failure = caught(reraise, checkpoint.resume_failed(call, 1, capsys.readouterr().err))
+    assert (failure.exception_type, failure.message) == ("ValueError", f"Can't find a valid checkpoint at {missing}")
+    assert failure.raising_frame == "transformers/trainer.py:_load_from_checkpoint"
+    assert failure.frames[1:4] == ("tests/harness/test_ledger.py:reraise", "stackcheck/harness/checkpoint.py:main",
+                                   "stackcheck/harness/checkpoint.py:resume")  # below `caught`: the test's process
+    assert str(failure_report := checkpoint.resume_failed(call, 1, "")).splitlines()[0] == \
+        f"the resuming process exited with 1: {failure.signature()}", failure_report
+
+    test = "test_resume_in_a_fresh_process_continues_the_run[cpu-llama3-adamw_torch]"
+    unknown = ledger.judge("trainer_resume", test, versions, failure, "llama")
+    assert (unknown.verdict, unknown.bug, unknown.signature) == (NEW_FAILURE, None, failure.signature())
+    # A bug whose signature is the child's is known there, as any library-level bug reached from a family is.
+    path = tmp_path / "ledger.toml"
+    path.write_text(LEDGER_FILE.read_text() + '\n[bugs.resume_probe]\nsummary = "x"\nlinks = ["https://example.org"]\n'
+                    'upstream_status = "open"\naffected = {}\n[bugs.resume_probe.signature]\nexception = "ValueError"\n'
+                    "message = \"Can't find a valid checkpoint at .*\"\nframe = \"transformers/trainer.py:_load_from_checkpoint\"\n")
+    known = Ledger(path).judge("trainer_resume", test, versions, failure, "llama")
+    assert (known.verdict, known.bug) == (KNOWN_BUG, "resume_probe") and "reached from trainer_resume" in known.note
+
+    # A process killed by a signal wrote no Failure: the report of its exit is all there is.
+    Path(json.loads(call.read_text())["failure"]).unlink()
+    killed = checkpoint.resume_failed(call, -9, "")
+    assert killed.child_failure is None and Failure.from_exception(killed).exception_type == "ResumeFailed"
+
+
+def reraise(error: BaseException):
+    raise error
