@@ -98,3 +98,29 @@ def one_layer_adapter(under_test: UnderTest, base, adapter: str = "language"):
     target = fixture_targets_in(under_test, base, (0,), adapter)[0]
     torch.manual_seed(tiny.SEED + 3)
     return get_peft_model(base, tiny.lora_config(under_test.arch, adapter, target_modules=[target], init_lora_weights=False)).eval()
+
+
+def effective_parameters(model) -> dict[str, torch.Tensor]:
+    """Every parameter of `model` as its forward would compute with it, on the CPU: an offloaded module's brought
+    back from its accelerate hook's weights map (the hook's own pre_forward, then post_forward to offload it
+    again), any other as it is."""
+    from accelerate.hooks import AlignDevicesHook
+
+    found = {}
+    for name, module in model.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        offloaded = isinstance(hook, AlignDevicesHook) and hook.offload
+        if offloaded:
+            hook.pre_forward(module)
+        for leaf, param in module.named_parameters(recurse=False):
+            found[f"{name}.{leaf}" if name else leaf] = param.detach().to("cpu", copy=True)
+        if offloaded:
+            hook.post_forward(module, torch.tensor([]))
+    return found
+
+
+def merges_lost(merged: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> list[str]:
+    """The parameters a merge changed in `reference` (the same adapter merged into the base on one device) that
+    `merged` still holds bit for bit as the base had them: a merge written where the model does not read it."""
+    return [name for name, value in reference.items()
+            if name in base and name in merged and not torch.equal(value, base[name]) and torch.equal(merged[name], base[name])]

@@ -22,6 +22,8 @@ Measured (CPU lane, latest: seed meets the PEFT bugs first): the offloaded merge
 1.0009), as the unsplit bf16 merge; the saved merge reloads exactly (0.0000) on every dense model.
 """
 
+import torch
+
 from stackcheck import scenario
 from stackcheck.models import tiny
 
@@ -31,10 +33,14 @@ RELOAD_TOLERANCE = 0.01
 def test_merge_of_an_offloaded_base_saves_and_reloads(under_test, prompt, tmp_path):
     unsplit = scenario.load_base(under_test, quantized=False)
     base_logits = scenario.logits(unsplit, prompt)
-    adapter_logits = scenario.logits(scenario.peft_load(under_test, unsplit, "language"), prompt)
+    base_weights = scenario.effective_parameters(unsplit)
+    on_one_device = scenario.peft_load(under_test, unsplit, "language")
+    adapter_logits = scenario.logits(on_one_device, prompt)
     scenario.require_adapter_changes(adapter_logits, base_logits, "the unsplit base")
     budget = scenario.offloading_budget(under_test, unsplit)
-    del unsplit
+    # The same merge on one device: the parameters a merge changes, and to what.
+    merged_weights = scenario.effective_parameters(on_one_device.merge_and_unload())
+    del unsplit, on_one_device
 
     base = scenario.load_base(under_test, quantized=False, device_map="auto", max_memory=budget, offload_folder=str(tmp_path / "base"))
     offload = scenario.offload_device(under_test.device)
@@ -47,6 +53,10 @@ def test_merge_of_an_offloaded_base_saves_and_reloads(under_test, prompt, tmp_pa
     merged = model.merge_and_unload()
 
     scenario.require(not scenario.lora_wrapped(merged), "merge_and_unload left LoRA layers in place")
+    lost = scenario.merges_lost(scenario.effective_parameters(merged), merged_weights, base_weights)
+    print(f"stackcheck measured: {len(lost)} of {sum(not torch.equal(w, base_weights[n]) for n, w in merged_weights.items() if n in base_weights)} "
+          f"parameters the merge changes on one device hold the base's values after the offloaded merge ({scenario.by_kind(lost)})")
+    assert not lost, f"merge_and_unload left {len(lost)} offloaded parameters as the base had them: {scenario.by_kind(lost)}"
     merged_logits = scenario.logits(merged, prompt)
     scenario.assert_merge_keeps_effect("offloaded bf16", merged_logits, adapter_logits, base_logits)
     merged.save_pretrained(tmp_path / "merged")
