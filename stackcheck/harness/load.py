@@ -220,6 +220,40 @@ def int8_state(module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return codes, scales
 
 
+def offloaded_int8_states(model) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.dtype]]:
+    """(codes, scales, the dtype the weights map stores) of every LLM.int8 layer of `model` that an accelerate hook
+    offloads, as its forward computes with them: brought back by the hook's own pre_forward (which quantizes a stored
+    float weight on the execution device, or restores stored codes with their scales), read, and offloaded again."""
+    import bitsandbytes as bnb
+    from accelerate.hooks import AlignDevicesHook
+
+    states = {}
+    for name, module in model.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        if not (isinstance(module, bnb.nn.Linear8bitLt) and isinstance(hook, AlignDevicesHook) and hook.offload):
+            continue
+        stored = hook.weights_map["weight"].dtype
+        hook.pre_forward(module)
+        codes, scales = int8_state(module)
+        states[name] = (codes.detach().to("cpu", copy=True), scales.detach().float().to("cpu", copy=True), stored)
+        hook.post_forward(module, torch.tensor([]))
+    return states
+
+
+def set_int8_states(model, states: dict) -> None:
+    """Give `model`'s LLM.int8 layers named in `states` those (codes, scales), on the device they sit on, as a
+    quantized load leaves them before the first forward (bitsandbytes moves them into the layer's state there)."""
+    import bitsandbytes as bnb
+
+    layers = dict(model.named_modules())
+    for name, (codes, scales, *_) in states.items():
+        module = layers[name]
+        device = module.weight.device
+        module.weight = bnb.nn.Int8Params(codes.to(device), requires_grad=False, has_fp16_weights=False,
+                                          CB=codes.to(device), SCB=scales.to(device))
+        module.state.CB, module.state.SCB = None, None
+
+
 def dequantized_weight(module) -> torch.Tensor | None:
     """The weight a bitsandbytes layer holds, dequantized by bitsandbytes itself, in fp32; a float weight (one the
     loader never quantized: a key not loaded leaves the initializer's) as it is; None for packed codes with no

@@ -37,9 +37,13 @@ quantize): printed per cell.
 
 Tolerances: bytes placed / budget <= 1, the budget itself; the placed model's logits against the model on one device
 within 1e-3 relative (the same weights through the same kernels: measured 0.0 on every tight cell, seed and latest;
-a layer lost or mis-restored by an offload hook is off by far more). The same weights: transformers leaves the modules
-it maps off the main device unquantized under `llm_int8_enable_fp32_cpu_offload`, so the model on one device it is
-compared with leaves those same layers unquantized (`same_layers_quantized`). Measured on the CPU lane, seed and latest alike:
+a layer lost or mis-restored by an offload hook is off by far more). The same weights: where transformers leaves the
+modules it maps off the main device unquantized (a dict map under `llm_int8_enable_fp32_cpu_offload`), the model on one
+device leaves them unquantized too (`same_layers_quantized`); where it quantizes them on the device the map names (the
+CPU, from a GPU) and their LLM.int8 codes part from the main device's at half steps, it holds the placed model's codes,
+at most one step from its own, with equal scales (`same_weights`, printed per cell: the GPU's tight int8 cells, 0.0013
+on tiny Gemma 4 and 0.0103 on multimodal Gemma 3 against the model's own rounding, latest, are what it is for; not yet
+rerun). Measured on the CPU lane, seed and latest alike:
 the fitting budgets (1.5x footprints of 0.22 to 1.8 MB) kept every model whole; under the tight ones transformers put
 4% (tiny Mixtral) to 62% (tiny Gemma 3) of the budget on the CPU and the rest on disk. The int8 cells that offload to
 disk meet two bugs this family found (ledger `int8_auto_map_disk_scb_popped`, `int8_offload_quantizes_on_gpu0`).
@@ -80,8 +84,9 @@ def test_auto_device_map_honours_max_memory(under_test, quant, budget, offload_d
     placed = scenario.bytes_on(model, device_map, main)
     scenario.assert_within(f"device_map='auto' places more on {main} than max_memory allows: bytes placed / budget", placed / allowed, 1.0)
     scenario.require(len(elsewhere) < len(device_map), f"transformers placed nothing on {main} ({device_map})")
-    reference = same_layers_quantized(under_test, quant, model, whole)
-    error = scenario.relative_error(scenario.logits(model, prompt), scenario.logits(reference, prompt))
+    placed_logits = scenario.logits(model, prompt)
+    reference = same_weights(under_test, quant, same_layers_quantized(under_test, quant, model, whole), model)
+    error = scenario.relative_error(placed_logits, scenario.logits(reference, prompt))
     scenario.assert_within("the placed model's logits against the model on one device: relative error", error, LOGIT_TOLERANCE)
 
     # The same call again once the first model is released, as a loop that reloads it does: the same map.
@@ -98,10 +103,12 @@ def test_auto_device_map_honours_max_memory(under_test, quant, budget, offload_d
 
 def same_layers_quantized(under_test, quant, placed, whole):
     """The model on one device with the layers the placed model holds unquantized left unquantized too: with
-    `llm_int8_enable_fp32_cpu_offload`, transformers' bitsandbytes quantizers add every module the map sends to the
-    CPU or disk to `modules_to_not_convert` (by design: those weights stay in the model's dtype), so the placed model
-    computes them in bf16 where `whole` rounds them to int8 or 4 bits. Without it, a tight int8 cell measured 0.0013
-    (tiny Gemma 4) and 0.0103 (multimodal Gemma 3) on two H100s (latest): the rounding, not the placement."""
+    `llm_int8_enable_fp32_cpu_offload`, transformers' bitsandbytes quantizers add every module a device map given as
+    a dict sends to the CPU or disk to `modules_to_not_convert` (by design: those weights stay in the model's dtype).
+    With `device_map="auto"` they do not: transformers 5.23.0 prepares the model for quantization (`preprocess_model`)
+    before it infers the map, so the quantizer sees the string "auto" and every layer is quantized wherever the map
+    puts it (CPU lane, latest, tiny multimodal Gemma 3 under the tight budget: 48 of 48 layers, as on one device).
+    Then this is `whole`, and `same_weights` is what tells the rounding from the placement."""
     import bitsandbytes as bnb
 
     quantized = (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
@@ -112,3 +119,47 @@ def same_layers_quantized(under_test, quant, placed, whole):
     scenario.require(set(scenario.quantized_modules(reference)) == set(scenario.quantized_modules(placed)),
                      "the reference on one device does not quantize the placed model's layers")
     return reference
+
+
+CODE_STEPS, SCALE_TOLERANCE = 1, 1e-6
+
+
+def same_weights(under_test, quant, reference, placed):
+    """`reference` (the model on one device), or, where the placed model's offloaded LLM.int8 layers hold other codes
+    than it, a fresh load of it holding the placed model's codes and scales in those layers: the same weights through
+    the same kernels, so that what is left is the placement's.
+
+    Why the codes can differ: transformers quantizes each weight where the map puts it (its Bnb8bitQuantize converts
+    on the weight's device). Mapped to the CPU, a weight is quantized by bitsandbytes' torch implementation on the
+    CPU; on the main device by its CUDA kernel (`kInt8VectorQuant`, a fast approximate division). Both round
+    127 * x / absmax(row) to the nearest code, and may part where that lands on a half step, which bf16 weights hit
+    often. Such codes are the checkpoint's rounding too (within half a step, as load_quantized_outputs judges), so
+    they are held to one step apart and equal scales (the row's absmax, exact on both); a layer mis-restored by an
+    offload hook (scales lost or another row's, stale codes) is off by far more. Not run on a GPU yet: a tight int8
+    cell there prints what it found."""
+    states = scenario.offloaded_int8_states(placed)
+    if not states:
+        import bitsandbytes as bnb
+
+        waiting = [name for name, m in placed.named_modules() if isinstance(m, bnb.nn.Linear8bitLt) and m.weight.device.type == "meta"]
+        if waiting:
+            print(f"stackcheck measured: {len(waiting)} offloaded LLM.int8 layers, none behind its own offload hook ({scenario.by_kind(waiting)})")
+        return reference
+    ours = {name: scenario.int8_state(module) for name, module in scenario.quantized_modules(reference).items() if name in states}
+    scenario.require(set(ours) == set(states), "the model on one device has no LLM.int8 layer for some offloaded ones")
+    steps = max((codes.int() - ours[name][0].cpu().int()).abs().max().item() for name, (codes, *_rest) in states.items())
+    differing = sum((codes != ours[name][0].cpu()).sum().item() for name, (codes, *_rest) in states.items())
+    total = sum(codes.numel() for codes, *_rest in states.values())
+    scale_error = max(((scales - ours[name][1].cpu().float()).abs() / ours[name][1].cpu().float().clamp(min=1e-12)).max().item()
+                      for name, (_codes, scales, _stored) in states.items())
+    stored = sorted({str(stored).removeprefix("torch.") for *_rest, stored in states.values()})
+    print(f"stackcheck measured: {len(states)} offloaded LLM.int8 layers (weights map holds {', '.join(stored)}): {differing} of {total} "
+          f"codes differ from the model on one device, by at most {steps} step(s); scales' largest relative difference {scale_error:.2e}")
+    scenario.assert_within("the offloaded LLM.int8 layers' codes against the model on one device: largest difference in code steps", steps, CODE_STEPS)
+    scenario.assert_within("the offloaded LLM.int8 layers' scales against the model on one device: largest relative difference", scale_error, SCALE_TOLERANCE)
+    if not differing:
+        return reference
+    skip = sorted(name for name, m in reference.named_modules() if isinstance(m, torch.nn.Linear) and name not in scenario.quantized_modules(reference))
+    fresh = scenario.load_quantized(under_test, quant, skip_modules=skip if reference is not scenario.shared_quantized(under_test, quant) else None)
+    scenario.set_int8_states(fresh, states)
+    return fresh
