@@ -220,6 +220,40 @@ def int8_state(module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return codes, scales
 
 
+class llm_int8_inputs:
+    """Within it, each of `model`'s linear layers named in `thresholds` computes on its input as LLM.int8 rounds it:
+    cast to fp16, each row quantized to 8 bits at its absmax by bitsandbytes' own `int8_vectorwise_quant` (columns
+    holding a value past the layer's outlier threshold kept as they were, as LLM.int8 computes them apart) and
+    dequantized (`int8_vectorwise_dequant`). With each weight replaced by the one the int8 layer holds, the layer then
+    computes what LLM.int8's matmul computes, in the reference's dtype."""
+
+    def __init__(self, model, thresholds: dict[str, float]):
+        self.model, self.thresholds, self.handles = model, thresholds, []
+
+    def __enter__(self):
+        import bitsandbytes.functional as F
+
+        def hook_for(threshold):
+            def round_input(module, args):
+                x = args[0]
+                rows = x.reshape(-1, x.shape[-1]).to(torch.float16)
+                codes, scales, outliers = F.int8_vectorwise_quant(rows.clone(), threshold=threshold)
+                rounded = F.int8_vectorwise_dequant(codes, scales).float()
+                if outliers is not None and outliers.numel():
+                    rounded[:, outliers] = x.reshape(-1, x.shape[-1])[:, outliers].float()
+                return (rounded.to(x.dtype).reshape(x.shape), *args[1:])
+            return round_input
+
+        layers = dict(self.model.named_modules())
+        self.handles = [layers[name].register_forward_pre_hook(hook_for(threshold)) for name, threshold in self.thresholds.items()]
+        return self.model
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        return False
+
+
 def offloaded_int8_states(model) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.dtype]]:
     """(codes, scales, the dtype the weights map stores) of every LLM.int8 layer of `model` that an accelerate hook
     offloads, as its forward computes with them: brought back by the hook's own pre_forward (which quantizes a stored
