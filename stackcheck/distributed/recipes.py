@@ -158,6 +158,26 @@ def sharded_steps(accelerator, model, optimizer, batch: dict[str, torch.Tensor],
     return losses
 
 
+def local_numel(tensor: torch.Tensor) -> int:
+    """How many elements of `tensor` this rank holds (a DTensor's local shard)."""
+    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).numel()
+
+
+def stepped_tensors(optimizer) -> tuple:
+    """(the torch optimizer that steps this rank's tensors, the tensors it steps that hold elements on this rank), one
+    home for every engine: `optimizer` may be accelerate's wrapper, DeepSpeed's stage-3 optimizer or a torch optimizer.
+    DeepSpeed's stage 3 puts its flat fp32 partitions into its torch optimizer's groups only during a step and empties
+    them again (`_optimizer_step`), so they are read from the engine (`fp32_partitioned_groups_flat`) and from the
+    tensors the torch optimizer holds state for; FSDP's views with no element on this rank are left out."""
+    tensors = []
+    while hasattr(optimizer, "optimizer"):
+        tensors += list(getattr(optimizer, "fp32_partitioned_groups_flat", []))
+        optimizer = optimizer.optimizer
+    tensors += [p for group in optimizer.param_groups for p in group["params"]]
+    tensors += [p for p in optimizer.state if torch.is_tensor(p)]
+    return optimizer, list({id(p): p for p in tensors if local_numel(p) > 0}.values())
+
+
 def is_adapter_weight(name: str) -> bool:
     """A weight the adapter trains: a LoRA factor, or a module PEFT trains whole (`modules_to_save`)."""
     return "lora_" in name or ".modules_to_save." in name

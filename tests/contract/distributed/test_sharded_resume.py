@@ -118,21 +118,9 @@ def step_counter(sharding: str):
     return Counter()
 
 
-def stepped_tensors(optimizer) -> tuple:
-    """(the torch optimizer that steps the rank's tensors, those tensors): inside accelerate's wrapper and DeepSpeed's
-    stage-3 optimizer, whose flat fp32 partitions its torch optimizer holds in its param groups only during a step
-    (`_optimizer_step` puts each in and empties the group again), so they are read from the engine."""
-    tensors = []
-    while hasattr(optimizer, "optimizer"):
-        tensors += list(getattr(optimizer, "fp32_partitioned_groups_flat", []))
-        optimizer = optimizer.optimizer
-    return optimizer, tensors + [p for group in optimizer.param_groups for p in group["params"]]
-
-
 def optimizer_steps(optimizer) -> list:
     """The step count of every tensor the rank's optimizer steps that holds elements on this rank (None: no state)."""
-    inner, tensors = stepped_tensors(optimizer)
-    held = [p for p in tensors if (p.to_local() if hasattr(p, "to_local") else p).numel() > 0]
+    inner, held = recipes.stepped_tensors(optimizer)
     return [float(inner.state[p]["step"]) if "step" in inner.state.get(p, {}) else None for p in held]
 
 

@@ -191,11 +191,6 @@ def bnb_optimizer(name: str):
     return lambda model: bnb_optimizer_of(name, [p for p in model.parameters() if p.requires_grad])
 
 
-def local_numel(tensor: torch.Tensor) -> int:
-    """How many elements of `tensor` this rank holds (a DTensor's local shard)."""
-    return (tensor.to_local() if hasattr(tensor, "to_local") else tensor).numel()
-
-
 def require_8bit_states(stepped, engine: str) -> list[int]:
     """The job stepped 8-bit states, proven across the ranks: some rank holds uint8 states, and every tensor a rank
     holds elements of has them. A rank may hold no trained element at all: FSDP1 shards a unit's flat parameter, frozen
@@ -205,9 +200,8 @@ def require_8bit_states(stepped, engine: str) -> list[int]:
     about the states by itself, and is not the failure of its scenario either: the job's is. Every rank's count of
     tensors with uint8 states, by rank (a collective: every rank calls this). The tensors are those of the optimizer's
     groups and those it holds state for: DeepSpeed's stage 3 puts its flat fp32 partitions into the groups only during
-    a step and empties them again (the two-GPU rerun read "no rank holds uint8 states" on ZeRO-3 from the empty groups)."""
-    tensors = [p for group in stepped.param_groups for p in group["params"]] + [p for p in stepped.state if torch.is_tensor(p)]
-    held = list({id(p): p for p in tensors if local_numel(p) > 0}.values())
+    a step and empties them again (the two-GPU rerun read "no rank holds uint8 states" on ZeRO-3 from the empty groups): recipes.stepped_tensors."""
+    _inner, held = recipes.stepped_tensors(stepped)
     dtypes = {str(stepped.state[p]["state1"].dtype) if "state1" in stepped.state.get(p, {}) else "none" for p in held}
     mine = sum(1 for p in held if "state1" in stepped.state.get(p, {}) and stepped.state[p]["state1"].dtype == torch.uint8)
     counts = [0] * torch.distributed.get_world_size()
