@@ -54,6 +54,18 @@ TOLERANCE. Measured on the CPU (latest): floor 1.3e-6 (Llama 3) and 4.1e-5 (mult
 bitsandbytes' PagedAdamW (32-bit) measures 0.86 and 4.1 times it (1.1e-6, 1.7e-4). On two H100s (seed, bitsandbytes
 0.49.2's CUDA kernel, before this floor) multimodal Gemma 3's PagedAdamW measured 1.3e-3, past 1e-3; its GPU floor is
 what the cell now prints.
+
+That GPU failure is not a change in bitsandbytes' kernel: kOptimizer32bit2State<float, ADAM> is the same source in
+0.49.2 and 0.50.1 and the same sm_90 machine code in the 0.49.2 and 0.50.2 wheels (libbitsandbytes_cuda130), whose
+0.50.2 passes. Both differ from torch's AdamW beyond rounding in two systematic ways: weight decay applied after the
+update (every step scaled by 1 - lr * weight_decay, 1 - 1e-5 here; bitsandbytes issue #2010, PR #2040 open; the CPU
+backend decays first, as torch does) and fast-math bias corrections (powf through approximate log2/exp2); eps * sqrt(1 -
+beta2^t) beside sqrt(v) is torch's denominator rearranged. Multimodal Gemma 3 amplifies such a uniform step change
+about 25 times, into one element (measured on the CPU with torch's AdamW at lr * (1 + d): d = 1e-5 gives 2.8e-4 with
+seed's libraries and 2.9e-4 with latest's, d = 1e-4 gives 1.8e-3 and 2.4e-3; seed's floor 1.8e-5, latest's 4.1e-5; with
+seed's the worst tensor is layers.3 v_proj's LoRA A, the one the H100 flagged). The cell prints the worst element's share
+of its tensor's squared error and its bias-corrected |m|/sqrt(v) (CPU, latest: 1.00 and 0.64, the tensor's median 0.84):
+one element, and not one whose gradients cancel or sit near eps.
 """
 
 import functools
@@ -89,6 +101,9 @@ class Run:
         self.reference: dict[str, torch.Tensor] = {}
         self.reference_losses: list[float] = []
         self.represented: dict[str, torch.Tensor] = {}
+        # Per LoRA tensor: |m| / sqrt(v) of torch's AdamW after the last step, both bias-corrected (1 where the steps'
+        # gradients are equal, near 0 where they cancel): how an element's step depends on its gradients' agreement.
+        self.agreement: dict[str, torch.Tensor] = {}
         self.floor: float | None = None
 
     def train(self, make_optimizer):
@@ -110,6 +125,8 @@ class Run:
             for name, p in self.lora.items():
                 scale = optimizer.state[p]["exp_avg_sq"].sqrt()
                 self.represented[name] = scale >= scale.max() / DYNAMIC_RANGE
+                (beta1, beta2), corrected = ADAMW["betas"], optimizer.state[p]["exp_avg"].abs() / scale.clamp_min(torch.finfo(scale.dtype).tiny)
+                self.agreement[name] = corrected * math.sqrt(1 - beta2**STEPS) / (1 - beta1**STEPS)
         still = [name for name, p in self.reference.items() if torch.equal(p, self.start[name])]
         scenario.require(not still, f"torch's AdamW did not move {len(still)} of {len(self.lora)} LoRA tensors")
 
@@ -157,6 +174,11 @@ def test_bnb_optimizer_tracks_torch_adamw(under_test, optimizer):
     name, whole = max(errors, key=errors.get), max(every, key=every.get)
     print(f"stackcheck measured: worst relative error {errors[name]:.2e} ({name}); over every element {every[whole]:.2e} ({whole}); "
           f"losses {[round(x, 5) for x in losses]}, torch's AdamW {[round(x, 5) for x in run.reference_losses]}")
+    squared = (weights[name] - run.reference[name]).float().pow(2).flatten()
+    worst = int(squared.argmax())
+    print(f"stackcheck measured: in {name.split('model.')[-1]}, the worst element carries {(squared[worst] / squared.sum()).item():.2f} of "
+          f"the squared error; its |m|/sqrt(v) {run.agreement[name].flatten()[worst].item():.2f}, the tensor's median "
+          f"{run.agreement[name].median().item():.2f}")
     floor = run.rounding_floor()
     print(f"stackcheck measured: torch's fused AdamW against its default (the rounding floor) {floor:.2e}")
     judged = "represented elements" if bits == 8 else "elements"
