@@ -61,9 +61,9 @@ That GPU failure is not a change in bitsandbytes' kernel: kOptimizer32bit2State<
 update (every step scaled by 1 - lr * weight_decay, 1 - 1e-5 here; bitsandbytes issue #2010, PR #2040 open; the CPU
 backend decays first, as torch does) and fast-math bias corrections (powf through approximate log2/exp2); eps * sqrt(1 -
 beta2^t) beside sqrt(v) is torch's denominator rearranged. Multimodal Gemma 3 amplifies such a uniform step change
-about 25 times, into one element (measured on the CPU with torch's AdamW at lr * (1 + d): d = 1e-5 gives 2.8e-4 with
-seed's libraries and 2.9e-4 with latest's, d = 1e-4 gives 1.8e-3 and 2.4e-3; seed's floor 1.8e-5, latest's 4.1e-5; with
-seed's the worst tensor is layers.3 v_proj's LoRA A, the one the H100 flagged). The cell prints the worst element's share
+about 25 times, into one element (measured on the CPU with torch's AdamW at lr * (1 + d): d = ±1e-5 gives 2.8e-4 to 2.9e-4 with
+seed's libraries and 2.9e-4 to 4.0e-4 with latest's, d = 1e-4 gives 1.8e-3 and 2.4e-3; seed's floor 1.8e-5, latest's 4.1e-5;
+with seed's the worst tensor is layers.3 v_proj's LoRA A, the one the H100 flagged). The cell prints the worst element's share
 of its tensor's squared error and its bias-corrected |m|/sqrt(v) (CPU, latest: 1.00 and 0.64, the tensor's median 0.84):
 one element, and not one whose gradients cancel or sit near eps.
 """
