@@ -254,6 +254,87 @@ class llm_int8_inputs:
         return False
 
 
+def routers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """`model`'s mixture-of-experts routers by name: transformers' `*Router` modules (Mixtral's, Qwen3-MoE's and
+    Qwen3-Next's `TopKRouter`, Gemma 4's `TextRouter`), each choosing a token's experts with `torch.topk` over its
+    scores (the routing probabilities)."""
+    return {name: module for name, module in model.named_modules() if type(module).__name__.endswith("Router")}
+
+
+class _ChosenExperts(torch.overrides.TorchFunctionMode):
+    """Active during one router's forward: records what its `torch.topk` ranked (the scores) and chose (the experts,
+    one row per token); given `follow` (another model's choice at the same router), the rows that chose another set of
+    experts take that one instead, with their own scores at those experts, as topk would have returned them."""
+
+    def __init__(self, follow: torch.Tensor | None):
+        super().__init__()
+        self.follow, self.scores, self.chosen, self.followed, self.gaps = follow, None, None, None, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func not in (torch.topk, torch.Tensor.topk):
+            return result
+        scores, (values, indices) = args[0], result
+        if self.follow is not None and self.follow.shape == indices.shape:
+            follow = self.follow.to(indices.device)
+            rows = (indices.sort(dim=-1).values != follow.sort(dim=-1).values).any(dim=-1)
+            if rows.any():
+                # How much more its own experts scored than the followed ones, in total: the tie the rounding broke.
+                self.gaps = (values.sum(dim=-1) - scores.gather(-1, follow).sum(dim=-1))[rows].detach().float().cpu()
+                indices = torch.where(rows[:, None], follow, indices)
+                values = torch.where(rows[:, None], scores.gather(-1, indices), values)
+                result = torch.return_types.topk((values, indices))
+            self.followed = rows.cpu()
+        self.scores, self.chosen = scores.detach().float().cpu(), indices.detach().cpu()
+        return result
+
+
+class routing:
+    """Within it, each router of `model` records the scores it ranked and the experts it chose on the last forward
+    (`scores`, `chosen`: by router name, one row per token). Given `follow` (another model's `chosen`, such as the
+    quantized model's), each router takes those experts wherever its own choice differs (`followed`: the rows that
+    did; `gaps`: by how much its own choice outscored the followed one there), so that a reference computes along the
+    routing the model under test took. Which experts a token gets is a
+    discrete decision: where two experts' scores are nearly tied, any rounding (the dtype's, the weights', LLM.int8's
+    inputs') may swap them, and the swap moves the logits far more than the rounding itself."""
+
+    def __init__(self, model, follow: dict[str, torch.Tensor] | None = None):
+        self.model, self.follow, self.handles = model, follow or {}, []
+        self.scores: dict[str, torch.Tensor] = {}
+        self.chosen: dict[str, torch.Tensor] = {}
+        self.followed: dict[str, torch.Tensor] = {}
+        self.gaps: dict[str, torch.Tensor] = {}
+
+    def __enter__(self):
+        def enter(name):
+            def pre_hook(module, args):
+                module._stackcheck_routing = _ChosenExperts(self.follow.get(name))
+                module._stackcheck_routing.__enter__()
+            return pre_hook
+
+        def leave(name):
+            def hook(module, args, output):
+                mode = module.__dict__.pop("_stackcheck_routing")
+                mode.__exit__(None, None, None)
+                if mode.chosen is not None:
+                    self.scores[name], self.chosen[name] = mode.scores, mode.chosen
+                if mode.followed is not None:
+                    self.followed[name] = mode.followed
+                if mode.gaps is not None:
+                    self.gaps[name] = mode.gaps
+            return hook
+
+        for name, module in routers(self.model).items():
+            self.handles += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave(name))]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        return False
+
+
 def offloaded_int8_states(model) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.dtype]]:
     """(codes, scales, the dtype the weights map stores) of every LLM.int8 layer of `model` that an accelerate hook
     offloads, as its forward computes with them: brought back by the hook's own pre_forward (which quantizes a stored

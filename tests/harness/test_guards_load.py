@@ -168,3 +168,24 @@ def test_reference_proof_reads_renamed_checkpoint_keys(monkeypatch):
     monkeypatch.setattr(load, "_CHECKPOINTS_PROVEN", set())
     with pytest.raises(scenario.ScenarioNotReached, match=r"1 of 103 tensors differ, first \['language_model\.model\.norm\.weight'\]"):
         load.require_reference_is_checkpoint(gemma3mm, model)
+
+
+def test_quantized_outputs_fails_on_a_router_that_routes_by_other_scores(monkeypatch, prompt):
+    """A loaded model whose routers choose experts from scores other than their layer's (here: their input negated, a
+    hook of the loader's that hands them another tensor): the references follow the model's routing only where
+    rounding can break a tie, so the routing itself is held to the checkpoint's (measured: 17 to 4171 units on the
+    Mixtral, Qwen3-MoE and Qwen3-Next cells)."""
+    from transformers import PreTrainedModel
+
+    from_pretrained = PreTrainedModel.from_pretrained.__func__
+
+    def broken(cls, *args, **kwargs):
+        model = from_pretrained(cls, *args, **kwargs)
+        for router in load.routers(model).values():
+            router.register_forward_pre_hook(lambda module, inputs: (-inputs[0], *inputs[1:]))
+        return model
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(broken))
+    qwen3moe = scenario.UnderTest(architectures.builtin()["qwen3moe"], torch.device("cpu"))
+    with pytest.raises(ToleranceExceeded, match=r"^largest scores gap of a routing decision the model took otherwise than the fp32 checkpoint"):
+        family("load_quantized_outputs").test_quantized_model_reproduces_the_checkpoint(qwen3moe, "nf4", True, torch.bfloat16, False, prompt)
