@@ -85,6 +85,30 @@ def test_optimizers_fail_when_the_bnb_step_counter_does_not_advance(monkeypatch)
         contract("train", "optimizers_track_adamw").test_bnb_optimizer_tracks_torch_adamw(LLAMA3, "paged_adamw_32bit")
 
 
+def test_optimizers_fail_when_the_weight_decay_follows_the_update(monkeypatch):
+    """bitsandbytes issue #2010's mechanism, on the CPU kernel: the update first, then the decay, p <- (p - lr u)(1 - lr
+    wd). The family fails, and names the share decay-after-update explains: all of it."""
+    import bitsandbytes as bnb
+    from packaging.version import Version
+
+    if Version(installed_versions()["bitsandbytes"]) < Version("0.50.0"):
+        pytest.skip("bitsandbytes < 0.50 has no CPU optimizer kernels (bnb_optimizers_cpu): the family cannot run here")
+    update_step = bnb.optim.optimizer.Optimizer2State.update_step
+
+    def decay_after(self, group, p, gindex, pindex):
+        decay = group["weight_decay"]
+        group["weight_decay"] = 0.0
+        try:
+            update_step(self, group, p, gindex, pindex)
+        finally:
+            group["weight_decay"] = decay
+        p.data.mul_(1 - group["lr"] * decay)
+
+    monkeypatch.setattr(bnb.optim.optimizer.Optimizer2State, "update_step", decay_after)
+    with pytest.raises(AssertionError, match=r"decays the weights otherwise than torch's AdamW .* \(the share decay-after-update explains 1\.0"):
+        contract("train", "optimizers_track_adamw").test_bnb_adamw_decays_the_weights_as_torch_adamw(torch.device("cpu"), "paged_adamw_32bit")
+
+
 def test_optimizers_fail_when_a_per_parameter_override_is_dropped(monkeypatch):
     """bitsandbytes PR #1869's class: an `override_config` made after `register_parameters` that the optimizer never
     reads leaves the tensor's state in 8 bits."""

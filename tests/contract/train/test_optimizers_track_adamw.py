@@ -229,3 +229,51 @@ def test_adamw_8bit_honours_a_per_parameter_32bit_override(under_test):
     print(f"stackcheck measured: the overridden tensor's relative error {error:.2e}; losses {[round(x, 5) for x in losses]}")
     scenario.assert_within(f"the LoRA tensor AdamW8bit runs in 32 bits by override drifts from torch's AdamW over {STEPS} steps: "
                            "relative error", error, TOLERANCE[8])
+
+
+# One step where AdamW's decoupled weight decay weighs: lr x weight_decay = 0.05.
+DECAY_STEP = {"lr": 0.1, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.5}
+DECAY_ELEMENTS = 4096
+
+
+@pytest.mark.axes(optimizer={"paged_adamw_32bit": "paged_adamw_32bit"})
+def test_bnb_adamw_decays_the_weights_as_torch_adamw(device, optimizer):
+    """bitsandbytes' AdamW takes torch's AdamW step whatever the hyperparameters, the decoupled weight decay
+    included: torch decays the weights before it subtracts the update, p <- p (1 - lr wd) - lr u. One step of 4096
+    weights (seeded normal weights and gradients) on the lane's device, at lr 0.1 and weight decay 0.5 (lr x wd 0.05,
+    where the order of decay and update changes the step by lr^2 wd u, about 5% of it here); the training cells above
+    run at lr x wd 1e-5, where it hides under their tolerance.
+
+    Mechanism, read in bitsandbytes' sources and its sm_90 machine code (0.49.2 and 0.50.2 alike): the CUDA 32-bit
+    Adam kernel applies the decay after the update, p <- (p - lr u)(1 - lr wd) (bitsandbytes issue #2010, fix PR #2040
+    open at the time); its CPU backend (0.50.0 on) decays first, as torch does. A failure names the share of the
+    error that decay-after-update explains (1.0: exactly that). Not yet run on a GPU.
+
+    Precondition proven: torch's AdamW moved every weight, the bitsandbytes optimizer holds a 32-bit state for it.
+    Tolerance: TOLERANCE[32] (1e-3) of the step, relative; torch's fused AdamW against its default, the same step,
+    measured 0.0 on the CPU."""
+    generator = torch.Generator().manual_seed(0)
+    start, grad = torch.randn(DECAY_ELEMENTS, generator=generator), torch.randn(DECAY_ELEMENTS, generator=generator)
+
+    def one_step(make):
+        weight = torch.nn.Parameter(start.clone().to(device))
+        stepper = make([weight])
+        weight.grad = grad.clone().to(device)
+        stepper.step()
+        return weight.detach().float().cpu(), stepper, weight
+
+    reference, _torch, _weight = one_step(lambda params: torch.optim.AdamW(params, **DECAY_STEP))
+    scenario.require(bool((reference != start).all()), "torch's AdamW left some weight where it was")
+    measured, stepper, weight = one_step(lambda params: scenario.bnb_adamw(optimizer, params, **DECAY_STEP))
+    state = stepper.state[weight].get("state1")
+    scenario.require(state is not None and state.dtype == torch.float32, f"{optimizer} holds no 32-bit state for the weights")
+    lr, decay = DECAY_STEP["lr"], DECAY_STEP["weight_decay"]
+    update = (start * (1 - lr * decay) - reference) / lr  # torch's u, from its own step
+    decay_after = reference + lr * lr * decay * update  # (p - lr u)(1 - lr wd)
+    error = scenario.relative_error(measured - start, reference - start)
+    explained = scenario.effect_kept(measured, decay_after, reference)
+    print(f"stackcheck measured: {optimizer}'s step against torch's AdamW at lr x weight decay {lr * decay}: relative error "
+          f"{error:.2e}; the share decay-after-update explains {explained:.4f}")
+    scenario.assert_within(f"bitsandbytes' {optimizer} decays the weights otherwise than torch's AdamW (one step, lr x weight "
+                           f"decay {lr * decay}): relative error of the step", error, TOLERANCE[32],
+                           judged_by=("the share decay-after-update explains", explained))
