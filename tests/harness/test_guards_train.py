@@ -105,7 +105,7 @@ def test_optimizers_fail_when_the_weight_decay_follows_the_update(monkeypatch):
         p.data.mul_(1 - group["lr"] * decay)
 
     monkeypatch.setattr(bnb.optim.optimizer.Optimizer2State, "update_step", decay_after)
-    with pytest.raises(AssertionError, match=r"decays the weights otherwise than torch's AdamW .* \(the share decay-after-update explains 1\.0"):
+    with pytest.raises(AssertionError, match=r"decays the weights otherwise than torch's AdamW .* \(the share decay-after-update explains (0\.99\d\d|1\.00\d\d)\)"):
         contract("train", "optimizers_track_adamw").test_bnb_adamw_decays_the_weights_as_torch_adamw(torch.device("cpu"), "paged_adamw_32bit")
 
 
