@@ -88,6 +88,15 @@ def test_the_page_is_self_contained(tmp_path):
     assert len(re.findall(r'<td class="cell ', page)) == len(report.grid_model(results.load(SAMPLE), Ledger())["squares"])
 
 
+def test_a_failure_shows_its_detail(sample):
+    """A new_failure's message past its first line (a child's traceback tail) is on the page, folded."""
+    cells = list(sample["cells"])
+    cells[0] = cells[0].replace(verdict="new_failure", signature="ResumeFailed: the resuming process exited with 1 @ x.py:f",
+                                detail="Traceback (most recent call last):\n  TypeError: <unexpected> keyword")
+    page = report.render({**sample, "cells": cells}, [], {})
+    assert "<summary>the failure's message</summary><pre>Traceback (most recent call last):\n  TypeError: &lt;unexpected&gt; keyword</pre>" in page
+
+
 @pytest.mark.parametrize("argv, says", [
     (["report", "--matrix", "no/such.json"], "no such file"),
     (["report", "--matrix", "docs"], "is a folder"),
