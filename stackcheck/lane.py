@@ -121,16 +121,33 @@ def chooses_parallelism(pytest_args: list[str]) -> bool:
     return False
 
 
-def parallel_options(pytest_args: list[str], workers: int | None = None) -> list[str]:
+def parallel_options(pytest_args: list[str], workers: int | None = None, pools: bool = False) -> list[str]:
     """The xdist options of a run whose pytest options choose none: one worker per core (`workers` to say otherwise),
-    each idle worker taking the next test, longest first (stackcheck.schedule). Nothing where the options already
-    choose (`-n 0` runs in one process), where they name tests (`-- tests/families/test_x.py`, `-k`: a few tests are not worth a second worker's
-    start-up), nor inside an xdist worker (the harness's own tests under CI's workers: the cores are taken)."""
+    each idle worker taking the next test, longest first (stackcheck.schedule); with warm rank pools (`pools`), the
+    cells of a pool group all on one worker (`--dist loadgroup`, the order kept: stackcheck.schedule). Nothing where
+    the options already choose (`-n 0` runs in one process), where they name tests (`-- tests/families/test_x.py`,
+    `-k`: a few tests are not worth a second worker's start-up), nor inside an xdist worker (the harness's own tests
+    under CI's workers: the cores are taken)."""
     count = workers or os.cpu_count() or 1
     narrowed = bool(named_paths(pytest_args)) or any(arg == "-k" or arg.startswith("-k") for arg in pytest_args)
     if chooses_parallelism(pytest_args) or narrowed or os.environ.get("PYTEST_XDIST_WORKER") or count < 2:
         return []
+    if pools:
+        return ["-n", str(count), "--dist", "loadgroup", "--no-loadscope-reorder"]
     return ["-n", str(count), "--dist", "load", "--maxschedchunk", "1"]
+
+
+def rank_pools(default: bool) -> tuple[bool, dict[str, str]]:
+    """Whether a command's pytest runs put their two-rank cells on warm rank pools (stackcheck.distributed.pool), and
+    the STACKCHECK_RANK_POOL they get: the user's 0 or 1, else `default`; another value is a usage error, before
+    anything is built."""
+    from stackcheck.distributed import pool
+
+    try:
+        on = pool.setting(default)
+    except pool.SettingError as exc:
+        raise UsageError(str(exc)) from None
+    return on, {pool.POOL_ENV: "1" if on else "0"}
 
 
 def lane_args(lanes: tuple[str, ...]) -> list[str]:

@@ -40,7 +40,7 @@ import pytest
 from stackcheck import exchange, hostinfo, results, scenario
 from stackcheck.core.cell import LOST, Cell, detail_of, lane_of
 from stackcheck.distributed import pool as rank_pool
-from stackcheck.distributed.cells import Ranks
+from stackcheck.distributed.cells import Ranks, pool_group
 from stackcheck.harness import axes
 from stackcheck.distributed.outcome import RanksFailed, judge_ranks
 from stackcheck.models import architectures, tiny
@@ -120,6 +120,8 @@ def pytest_configure(config: pytest.Config) -> None:
     except LedgerError as exc:
         raise pytest.UsageError(str(exc)) from None
     rank_pool.enabled()  # STACKCHECK_RANK_POOL other than 0 or 1: pytest's usage error, before anything runs
+    # The pool groups' mark (pool_group), pytest-xdist's, registered here too for a run without xdist (-p no:xdist).
+    config.addinivalue_line("markers", "xdist_group(name): the tests run on one xdist worker under --dist loadgroup")
     for family in config.stackcheck_ledger.families.values():
         config.addinivalue_line("markers", f"{family.id}: {family.title}")
     config.stackcheck_lanes = [lane for lane in config.getoption(LANES_OPTION).split(",") if lane]
@@ -252,6 +254,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         family = family_of(item.nodeid)
         if family:
             item.add_marker(getattr(pytest.mark, family))
+        if group := pool_group(item):  # the cells that can share a warm rank pool: one xdist worker (stackcheck.schedule)
+            item.add_marker(pytest.mark.xdist_group(group))
+            item.stackcheck_pool_group = group
         (dropped if family and lane_of(item.nodeid) not in config.stackcheck_lanes else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)

@@ -4,10 +4,17 @@ With `--dist load --maxschedchunk 1` (what `stackcheck tests` and `matrix` pass 
 stackcheck.lane.parallel_options) each worker holds at most two tests and takes the next of the collection when it
 is done, so a collection sorted longest-first is the classic longest-processing-time schedule: the long cells
 (distributed jobs, training loops, the harness's end-to-end runs) start at once on every worker, and the short ones
-fill the gaps at the end instead of a long cell starting last and running alone. (Not `loadgroup`: pytest-xdist
-3.8 marks a group by rewriting `item._nodeid`, which pytest 9 no longer reads, so its groups are not kept
-together. A costly fixture that several tests share is shared on disk across the workers instead, as
-`test_bench_harness`'s smoke run is.)
+fill the gaps at the end instead of a long cell starting last and running alone. (A costly fixture that several
+tests share is shared on disk across the workers instead, as `test_bench_harness`'s smoke run is.)
+
+With warm rank pools (stackcheck.distributed.pool) the runs pass `--dist loadgroup --no-loadscope-reorder` instead:
+the cells that can share a pool carry its `xdist_group` (stackcheck.distributed.cells.pool_group), and all of a
+group go to one worker, whose pool then starts once. pytest-xdist 3.8 marks a group by rewriting `item._nodeid`,
+which pytest 9 no longer reads (pytest-dev/pytest-xdist#1386), so its own `loadgroup` hands them out one by one:
+here the scheduler (`pytest_xdist_make_scheduler`) is xdist's LoadGroupScheduling, whose groups come from the
+marks each worker saw at collection (written to a folder the controller names in each worker's input). The
+order stays longest first: a group where its cells' seconds added up would put it, its cells longest first
+within it, the other tests one by one as under `load`.
 
 The seconds come from DURATIONS_FILE, written by a run with `--stackcheck-record-durations=PATH` (setup, call and
 teardown of each test, from every worker), and GPU_DURATIONS_FILE, the GPU lane's cells' seconds from a GPU run's
@@ -23,6 +30,8 @@ This module is a pytest plugin (pyproject's addopts).
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -58,6 +67,8 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "(stackcheck.locking.run_folder): ordered after every other test but the group's first")
     if config.getoption(RECORD_OPTION) and not hasattr(config, "workerinput"):
         config.pluginmanager.register(Recorder(Path(config.getoption(RECORD_OPTION))), "stackcheck-durations")
+    if loadgroup(config):
+        config.stackcheck_groups = Path(tempfile.mkdtemp(prefix="stackcheck-groups-"))
 
 
 def measured(path: Path) -> dict[str, float]:
@@ -91,11 +102,26 @@ def expected_seconds(nodeids: list[str], known: dict[str, float]) -> dict[str, f
             for nodeid in nodeids}
 
 
-def longest_first(items: list, expected: dict[str, float]) -> list:
-    """`items`, the costliest first; ties keep the collection's order. Of the tests that share a result (the `shares`
-    mark), the first in that order builds it and the others go last: handed out beside it, they would only wait on
-    its lock, a worker idle for the whole build (whatever the durations file says each costs)."""
-    order = sorted(items, key=lambda item: -expected[item.nodeid])  # stable
+def xdist_group(item) -> str | None:
+    mark = item.get_closest_marker(GROUP_MARK) if hasattr(item, "get_closest_marker") else None
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default")) if mark else None
+
+
+def longest_first(items: list, expected: dict[str, float], grouped: bool = False) -> list:
+    """`items`, the costliest first; ties keep the collection's order. `grouped` (--dist loadgroup): the tests of an
+    xdist group together, where the sum of their seconds puts them, longest first within it. Of the tests that share
+    a result (the `shares` mark), the first in that order builds it and the others go last: handed out beside it,
+    they would only wait on its lock, a worker idle for the whole build (whatever the durations file says each costs)."""
+    if grouped:
+        groups = {item.nodeid: xdist_group(item) for item in items}
+        totals: dict[str, float] = defaultdict(float)
+        for item in items:
+            if groups[item.nodeid]:
+                totals[groups[item.nodeid]] += expected[item.nodeid]
+        order = sorted(items, key=lambda item: (-(totals[groups[item.nodeid]] if groups[item.nodeid] else expected[item.nodeid]),
+                                                groups[item.nodeid] or "", -expected[item.nodeid]))  # stable
+    else:
+        order = sorted(items, key=lambda item: -expected[item.nodeid])  # stable
     builders, readers = set(), set()
     for item in order:
         mark = item.get_closest_marker(SHARES_MARK) if hasattr(item, "get_closest_marker") else None
@@ -109,7 +135,61 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     paths = config.getoption("--stackcheck-durations") or [DURATIONS_FILE, GPU_DURATIONS_FILE]
     known = {nodeid: seconds for path in paths for nodeid, seconds in measured(Path(path)).items()}
-    items[:] = longest_first(items, expected_seconds([item.nodeid for item in items], known))
+    grouped = GROUPS_KEY in config.workerinput
+    items[:] = longest_first(items, expected_seconds([item.nodeid for item in items], known), grouped)
+    if grouped:  # for the controller's scheduler, before this worker reports its collection
+        groups = {item.nodeid: group for item in items if (group := xdist_group(item))}
+        folder = Path(config.workerinput[GROUPS_KEY])
+        scratch = folder / f".{config.workerinput['workerid']}.tmp"
+        scratch.write_text(json.dumps(groups))
+        scratch.replace(folder / f"{config.workerinput['workerid']}.json")
+
+
+# --dist loadgroup, with the groups kept (see the module's docstring).
+GROUP_MARK = "xdist_group"
+GROUPS_KEY = "stackcheck_groups"  # the folder each worker writes its {nodeid: group} into, in its workerinput
+
+
+def loadgroup(config: pytest.Config) -> bool:
+    return getattr(config.option, "dist", "no") == "loadgroup" and not hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's: the controller, for each worker it starts
+def pytest_configure_node(node) -> None:
+    folder = getattr(node.config, "stackcheck_groups", None)
+    if folder is not None:
+        node.workerinput[GROUPS_KEY] = str(folder)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if not loadgroup(config):
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class KeptGroups(LoadGroupScheduling):
+        """xdist's LoadGroupScheduling, the groups read from the workers' marks instead of their node ids."""
+
+        groups: dict[str, str] | None = None
+
+        def schedule(self) -> None:
+            if self.groups is None:  # every worker has reported its collection, so has written its groups
+                self.groups = {}
+                for path in sorted(Path(config.stackcheck_groups).glob("*.json")):
+                    self.groups.update(json.loads(path.read_text()))
+            super().schedule()
+
+        def _split_scope(self, nodeid: str) -> str:
+            group = (self.groups or {}).get(nodeid)
+            return f"{GROUP_MARK}:{group}" if group else nodeid
+
+    return KeptGroups(config, log)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = getattr(config, "stackcheck_groups", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def from_results(path: Path, lane: str = "gpu") -> dict[str, float]:

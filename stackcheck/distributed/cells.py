@@ -13,6 +13,7 @@ A cell's CPU variant (two gloo ranks) is one of three kinds:
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,26 @@ WORLD_SIZES = pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=py
 DEFAULT_TIMEOUT = 180.0
 # STACKCHECK_DIST_CPU=all: the CPU lane also runs the cells left out of the default run for their cost.
 CPU_SELECTION_ENV = "STACKCHECK_DIST_CPU"
+# `@pytest.mark.ranks_engine(ENGINE)` names the engine a test launches where it is not the test's `engine` parameter;
+# ENGINE is a name, or a function of the test's parameters that gives it.
+ENGINE_MARK = "ranks_engine"
+
+
+def pool_group(item: pytest.Item) -> str | None:
+    """The pool group (stackcheck.distributed.pool.group: engine, world size, lane) of a test item whose cell launches
+    a job that a warm pool would run, from its parametrization as the cell passes it to `ranks`: its `lane` and
+    `world_size` parameters, and its `engine` parameter or ENGINE_MARK. None where it launches no job (no `ranks`
+    fixture, a CPU world size other than CPU_WORLD_SIZE, which skips) or names no engine. A wrong group costs only
+    scheduling (the pool itself is keyed at launch); `Ranks` warns where the launched job is not the item's group."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "ranks" not in getattr(item, "fixturenames", ()) or "world_size" not in params:
+        return None
+    lane, world_size = params.get("lane", "cpu"), params["world_size"]
+    if lane == "cpu" and world_size != CPU_WORLD_SIZE:
+        return None
+    mark = item.get_closest_marker(ENGINE_MARK)
+    engine = (mark.args[0](params) if callable(mark.args[0]) else mark.args[0]) if mark else params.get("engine")
+    return pool.group(engine, world_size, lane) if engine else None
 
 
 def every_cpu_variant() -> bool:
@@ -59,6 +80,10 @@ class Ranks:
         if self.lane == "cpu" and cpu_costly and not every_cpu_variant():
             pytest.skip(f"CPU lane: left out of the default run ({cpu_costly}); {CPU_SELECTION_ENV}=all runs it")
         launch = pool.launch if pool.enabled() else launcher.launch  # STACKCHECK_RANK_POOL=1: a warm rank pool
+        expected = getattr(self.node, "stackcheck_pool_group", None)
+        if expected and expected != pool.group(engine, world_size, self.lane):
+            warnings.warn(f"{self.node.nodeid}: its job ({pool.group(engine, world_size, self.lane)}) is not its xdist group "
+                          f"({expected}): fix its {ENGINE_MARK} mark", pytest.PytestWarning, stacklevel=2)
         outcomes = launch(target, self.workdir / "job", world_size, engine, self.lane, timeout, kwargs, engine_options)
         self.node.stackcheck_ranks = outcomes
         raise_unless_passed(outcomes)

@@ -1,4 +1,5 @@
-"""A warm rank pool (opt-in: STACKCHECK_RANK_POOL=1): start a job's ranks once, run many cells on them.
+"""A warm rank pool (STACKCHECK_RANK_POOL=1; `matrix` and `gpu-matrix` turn it on): start a job's ranks once, run
+many cells on them.
 
 A two-rank cell costs 20 to 100 s, nearly all of it start-up (two interpreters importing torch, transformers, peft
 and DeepSpeed, `accelerate launch`, the process group) and teardown; the tiny models' work takes milliseconds. A
@@ -16,8 +17,11 @@ stacks included) tears its pool down, and the next cell of that key starts a fre
 ended. At most MAX_POOLS stay warm in a process (the oldest goes first), and every pool is torn down when the
 process exits; a pool whose owner died (a crashed or interrupted pytest) ends itself within a second.
 
-Opt-in because a warm rank is not a fresh one: see docs/speed.md, "A warm rank pool", for what it cuts, what it
-measured, and what is missing to make it the default.
+The matrix commands run their pytest children with pools on unless STACKCHECK_RANK_POOL=0; plain pytest and the
+harness's tests (`stackcheck tests`, CI) keep one launch per cell unless STACKCHECK_RANK_POOL=1. A warm rank is not
+a fresh one: see docs/speed.md, "A warm rank pool", for what it cuts, what it measured, and what it still misses.
+Under xdist every worker has its own pools, so the cells that share a pool's `group` (engine, world size, lane) carry
+that xdist group (stackcheck.distributed.cells.pool_group) and run on one worker (stackcheck.schedule).
 """
 
 from __future__ import annotations
@@ -47,14 +51,34 @@ MAX_POOLS = 2
 VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
 
 
-def enabled() -> bool:
-    """Whether STACKCHECK_RANK_POOL asks for warm pools: 1 yes, unset, empty or 0 no; another value is a user error."""
+class SettingError(ValueError):
+    """STACKCHECK_RANK_POOL is neither 0 nor 1 (nor unset): a user error, one line."""
+
+
+def setting(default: bool = False) -> bool:
+    """Whether STACKCHECK_RANK_POOL asks for warm pools: 1 yes, 0 no, unset or empty `default`; another value raises
+    SettingError."""
     value = os.environ.get(POOL_ENV, "")
     if value not in ("", "0", "1"):
+        raise SettingError(f"{POOL_ENV}={value!r}: 1 runs the two-rank cells on warm rank pools, 0 launches each cell")
+    return default if value == "" else value == "1"
+
+
+def enabled() -> bool:
+    """`setting()` in a pytest process (off unless 1; the matrix commands pass 1 or 0): another value is pytest's usage
+    error."""
+    try:
+        return setting()
+    except SettingError as exc:
         import pytest
 
-        raise pytest.UsageError(f"{POOL_ENV}={value!r}: 1 runs the two-rank cells on warm rank pools, 0 or unset launches each cell")
-    return value == "1"
+        raise pytest.UsageError(str(exc)) from None
+
+
+def group(engine: str | None, world_size: int, lane: str) -> str:
+    """The engine, world size and lane part of a pool's key, as one name: the xdist group of the cells that can share
+    a pool (their engine options and environment may still part them)."""
+    return f"ranks-{engine or 'torchrun'}-ws{world_size}-{lane}"
 
 
 @dataclass
@@ -74,7 +98,7 @@ _pools: OrderedDict[tuple, Pool] = OrderedDict()
 
 
 def key_of(world_size: int, engine: str | None, lane: str, engine_options: dict | None, env: dict) -> tuple:
-    return (sys.executable, engine, json.dumps(engine_options, sort_keys=True, default=str), world_size, lane,
+    return (sys.executable, group(engine, world_size, lane), json.dumps(engine_options, sort_keys=True, default=str),
             tuple(sorted((name, value) for name, value in env.items() if name not in VOLATILE_ENV)))
 
 

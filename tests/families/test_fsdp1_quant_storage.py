@@ -103,6 +103,7 @@ def qlora_steps_under_fsdp1(quant_storage: str, trainable_dtype: str) -> dict:
 
 @pytest.mark.parametrize(("quant_storage", "trainable_dtype"), [("uint8", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")],
                          ids=["uint8", "bf16_fp32_lora", "bf16"])
+@pytest.mark.ranks_engine("fsdp1")
 @WORLD_SIZES
 def test_fsdp1_qlora_steps_match_one_process(ranks, world_size, quant_storage, trainable_dtype):
     tiny.base_checkpoint(architectures.builtin()[ARCHITECTURE])  # built once here, before the ranks read it

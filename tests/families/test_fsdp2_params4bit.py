@@ -35,6 +35,7 @@ equal, so their average is the single-process gradient). Measured on this CPU, 3
 takes 36 s (seed) and 27 s (latest) here.
 """
 
+import pytest
 import torch
 
 from stackcheck import scenario
@@ -82,6 +83,7 @@ def qlora_steps_under_fsdp2() -> dict:
     return rank_side.assert_matches_one_process("FSDP2", losses, single_losses, weights, single_weights, TOLERANCE)
 
 
+@pytest.mark.ranks_engine("fsdp2")
 @WORLD_SIZES
 def test_fsdp2_qlora_steps_match_one_process(ranks, world_size):
     tiny.base_checkpoint(architectures.builtin()[ARCHITECTURE])  # built once here, before the ranks read it

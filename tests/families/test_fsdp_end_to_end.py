@@ -40,6 +40,8 @@ relative error 0.0; the FSDP2 losses (first to third step):
 
 import dataclasses
 
+import pytest
+
 from stackcheck import scenario
 from stackcheck.distributed import rank as rank_side, recipes
 from stackcheck.distributed.cells import WORLD_SIZES
@@ -88,6 +90,7 @@ def qlora_steps_under_fsdp2(architecture: dict) -> dict:
     return rank_side.assert_matches_one_process("FSDP2", losses, single_losses, weights, single_weights, TOLERANCE)
 
 
+@pytest.mark.ranks_engine("fsdp2")
 @WORLD_SIZES
 def test_fsdp2_qlora_steps_match_one_process(under_test, ranks, world_size):
     arch = under_test.arch

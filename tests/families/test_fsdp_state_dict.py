@@ -28,6 +28,7 @@ Not tested here: `StateDictOptions(cpu_offload=True)`. On this CPU rank 0 dies o
 whether the crash needs a 4-bit model at all is not established.
 """
 
+import pytest
 import torch
 
 from stackcheck import scenario
@@ -84,6 +85,7 @@ def full_state_dict_under_fsdp1() -> dict:
     return {"keys": len(state), "quant_state_keys": sum(len(keys) for keys in quantized.values()), "linear4bit": len(quantized)}
 
 
+@pytest.mark.ranks_engine("fsdp1")
 @WORLD_SIZES
 def test_full_state_dict_holds_the_4bit_weights(ranks, world_size):
     tiny.base_checkpoint(architectures.builtin()[ARCHITECTURE])  # built once here, before the ranks read it

@@ -48,6 +48,7 @@ leaves room for NCCL's reduction order. The Trainer's saved adapter must equal t
 `peft_zero3_expert_lora_factors_backward`. A cell takes 25 to 60 s here (two ranks on two shared cores).
 """
 
+import pytest
 import torch
 
 from stackcheck import scenario
@@ -179,18 +180,21 @@ def trainer_saves_the_adapter(output_dir: str) -> dict:
     return {"saved_tensors": len(saved)}
 
 
+@pytest.mark.ranks_engine("zero3")
 @WORLD_SIZES
 def test_zero3_qlora_steps_match_one_process(ranks, world_size):
     tiny.base_checkpoint(architectures.builtin()[ARCHITECTURE])  # built once here, before the ranks read it
     ranks("tests.families.test_zero3_lora:qlora_steps_under_zero3", world_size, engine="zero3")
 
 
+@pytest.mark.ranks_engine("zero3-moe")
 @WORLD_SIZES
 def test_zero3_expert_lora_steps_match_one_process(ranks, world_size):
     tiny.base_checkpoint(architectures.builtin()[EXPERT_ARCHITECTURE])
     ranks("tests.families.test_zero3_lora:expert_lora_steps_under_zero3", world_size, engine="zero3-moe")
 
 
+@pytest.mark.ranks_engine("zero3")
 @WORLD_SIZES
 def test_zero3_trainer_saves_the_adapter(ranks, world_size, tmp_path):
     tiny.base_checkpoint(architectures.builtin()[ARCHITECTURE])

@@ -94,3 +94,52 @@ def test_without_gpus_workers_are_left_alone(seen_without_gpus, monkeypatch):
     if visible_gpus():
         pytest.skip("this host has GPUs")
     assert gpus_seen(seen_without_gpus) == {"gw0": "unset", "gw1": "unset"}
+
+
+GROUPED_PROBE = """
+import os
+import pathlib
+
+import pytest
+
+
+def report(worker_id, name):
+    pathlib.Path(os.environ["PROBE_OUT"], name).write_text(worker_id)
+
+
+@pytest.mark.xdist_group("ranks-fsdp2-ws2-cpu")
+@pytest.mark.parametrize("index", range(4))
+def test_fsdp2(worker_id, index):
+    report(worker_id, f"fsdp2-{index}")
+
+
+@pytest.mark.xdist_group("ranks-zero3-ws2-cpu")
+@pytest.mark.parametrize("index", range(4))
+def test_zero3(worker_id, index):
+    report(worker_id, f"zero3-{index}")
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_alone(worker_id, index):
+    report(worker_id, f"alone-{index}")
+"""
+
+
+def test_loadgroup_keeps_each_pool_group_on_one_worker(tmp_path):
+    """What the matrix runs with pools (stackcheck.lane.parallel_options): `--dist loadgroup --no-loadscope-reorder`.
+    pytest-xdist 3.8's own grouping is lost under pytest 9 (stackcheck.schedule); stackcheck's scheduler keeps it:
+    every test of a group on one worker (without it, xdist hands them out one by one)."""
+    (tmp_path / "test_grouped.py").write_text(GROUPED_PROBE)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "PYTEST_XDIST_WORKER")}
+    env.update(PROBE_OUT=str(out))
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder", "-p", "no:cacheprovider",
+         "-c", str(REPO_ROOT / "pyproject.toml"), "--rootdir", str(REPO_ROOT), str(tmp_path / "test_grouped.py")],
+        cwd=REPO_ROOT, env=env, check=True, capture_output=True,
+    )
+    ran = {path.name: path.read_text() for path in out.iterdir()}
+    assert len(ran) == 14
+    workers = {group: {worker for name, worker in ran.items() if name.startswith(group)} for group in ("fsdp2", "zero3")}
+    assert all(len(seen) == 1 for seen in workers.values()), workers

@@ -206,6 +206,7 @@ def test_the_trainer_trains_at_the_launched_world_size(ranks, world_size, engine
 
 
 @pytest.mark.parametrize("device_map", ["rank", "auto"])
+@pytest.mark.ranks_engine("ddp")
 @WORLD_SIZES
 def test_ddp_qlora_steps_match_one_process(ranks, world_size, device_map):
     tiny.base_checkpoint(architectures.builtin()[ARCHITECTURE])

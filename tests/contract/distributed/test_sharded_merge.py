@@ -126,6 +126,7 @@ def merged_in_one_process(weights: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 @pytest.mark.parametrize("saver", ["accelerate", "trainer"])
+@pytest.mark.ranks_engine("fsdp2")
 @WORLD_SIZES
 def test_the_merge_of_the_saved_adapter_is_one_process_merge(ranks, world_size, saver, tmp_path):
     tiny.base_checkpoint(architectures.builtin()[ARCHITECTURE])  # built once here, before the ranks read it

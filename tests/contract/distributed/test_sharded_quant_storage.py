@@ -180,6 +180,7 @@ SYNC_GPU_ONLY = "sync_module_states needs an accelerator device"
 
 
 @pytest.mark.parametrize("loading", list(LOADING))
+@pytest.mark.ranks_engine(lambda params: LOADING[params["loading"]][0])
 @WORLD_SIZES
 def test_the_first_forward_equals_one_process_on_every_loading_path(ranks, world_size, loading):
     """bf16 storage, the storage FSDP1 and FSDP2 shard."""

@@ -240,6 +240,7 @@ def restored_from_checkpoint(sharding: str, loaded: dict, at_checkpoint: dict, s
 
 @pytest.mark.parametrize("adapter", list(ADAPTERS))
 @pytest.mark.parametrize("sharding", list(SHARDINGS))
+@pytest.mark.ranks_engine(lambda params: "zero" if SHARDINGS[params["sharding"]][0] == "zero0" else SHARDINGS[params["sharding"]][0])
 @WORLD_SIZES
 def test_a_resumed_job_continues_the_uninterrupted_one(ranks, world_size, sharding, adapter, tmp_path):
     tiny.base_checkpoint(architectures.builtin()[ARCHITECTURE])  # built once here, before the ranks read it
