@@ -18,7 +18,7 @@ from stackcheck.releases.probes import DEFAULT_STORE
 from stackcheck.triage import doctor, repro, scan
 from stackcheck.releases import watch as watch_module
 from stackcheck.core.cell import Cell
-from stackcheck.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, build_all, check_ledger, family_targets, new_run_id, named_paths, parallel_options, run_pytest
+from stackcheck.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, build_all, check_ledger, family_targets, new_run_id, named_paths, parallel_options, rank_pools, run_pytest
 from stackcheck.ledger import Ledger, LedgerError
 from stackcheck.protocol import ARCH_OPTION, DEFAULT_RESULTS, RESULTS_DIR, option
 from stackcheck.progress import Progress
@@ -117,7 +117,9 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--no-index", action="store_true", help="install only from --find-links folders")
 
     for name, what in (("matrix", "the CPU lane of every family"), ("gpu-matrix", "the GPU and CPU lanes of every family")):
-        matrix = commands.add_parser(name, help=f"run {what} on each set and write the report")
+        matrix = commands.add_parser(name, help=f"run {what} on each set and write the report; its two-rank cells run on "
+                                                "warm rank pools, each pool group on one xdist worker (STACKCHECK_RANK_POOL=0: one "
+                                                "launch per cell; docs/speed.md)")
         add_set_options(matrix, many=True)
         matrix.add_argument("--arch", action=inputs.ListOption, help=ARCH_HELP)
         matrix.add_argument("--families", action=inputs.ListOption, help="comma-separated families (default: all)")
@@ -125,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
         matrix.add_argument("--fail-on", metavar="OUTCOMES", help=exitcodes.FAIL_ON_HELP.format(default=",".join(exitcodes.TEST_FAIL_ON)))
         matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
 
-    tests = commands.add_parser("tests", help="the harness's own tests plus the CPU lane on one set")
+    tests = commands.add_parser("tests", help="the harness's own tests plus the CPU lane on one set (one launch per two-rank cell; "
+                                                 "STACKCHECK_RANK_POOL=1: warm rank pools)")
     add_set_options(tests, many=False)
     tests.add_argument("--arch", action=inputs.ListOption,
                        help=ARCH_HELP.replace("Default: every built-in one", f"Default: {architectures.SEED_ARCHITECTURE} alone"))
@@ -263,6 +266,7 @@ def run_matrix(args) -> int:
         results.load_checked(args.results)  # the sets record into it: a corrupt one would fail only after a build
     fail_on = exitcodes.parse_fail_on(args.fail_on) if args.fail_on is not None else exitcodes.rule(args.command).fail_on
     gpu = args.command == "gpu-matrix"
+    pools, pools_env = rank_pools(default=True)  # the two-rank cells on warm rank pools unless STACKCHECK_RANK_POOL=0
     if gpu:
         print(f"== device: {gpu_device('`matrix` runs the CPU lane alone')}", flush=True)
     sets = _selected(args)
@@ -280,8 +284,9 @@ def run_matrix(args) -> int:
         started, run = time.monotonic(), new_run_id()
         selection = [] if gpu else [CPU_LANE]
         # Every set after the first loads the adapter the first one trained (stackcheck.exchange).
-        code = run_pytest(pythons[vset.name], vset, targets, ["-q", *selection, *arch_options(args.arch), *parallel_options(args.pytest_args), *args.pytest_args],
-                          args.results, sets[0].name, tracker.env(), run=run)
+        code = run_pytest(pythons[vset.name], vset, targets, ["-q", *selection, *arch_options(args.arch),
+                                                              *parallel_options(args.pytest_args, pools=pools), *args.pytest_args],
+                          args.results, sets[0].name, tracker.env() | pools_env, run=run)
         ran = results.cells_of_run(args.results, vset.name, run)
         cells += ran
         tracker.finished(vset.name, len(ran))
@@ -320,6 +325,7 @@ def failing_cells(cells: list[Cell], ledger: Ledger, fail_on: tuple[str, ...], i
 
 def run_tests(args) -> int:
     (vset,) = _selected(args)
+    pools, pools_env = rank_pools(default=False)  # the harness's tests: one launch per cell unless STACKCHECK_RANK_POOL=1
     groups = envs.BENCH_GROUPS + (() if args.no_index else envs.REPORT_GROUPS)
     python = build_all([vset], args.find_links, args.no_index, groups)[vset.name]
     # CI's run: the families on the seed's architecture unless --arch widens it (new architectures still have
@@ -327,7 +333,8 @@ def run_tests(args) -> int:
     arch = arch_options(args.arch) or [option(ARCH_OPTION, architectures.SEED_ARCHITECTURE)]
     # Every test, one xdist worker per core (docs/speed.md); a run that names its tests runs those, in one process.
     targets = [] if named_paths(args.pytest_args) else ["tests"]
-    code = run_pytest(python, vset, targets, [*arch, *parallel_options(args.pytest_args), *args.pytest_args], None)
+    code = run_pytest(python, vset, targets, [*arch, *parallel_options(args.pytest_args, pools=pools), *args.pytest_args],
+                      None, env=pools_env)
     if code in (4, 5):
         raise UsageError("pytest refused the run (its ERROR line above)" if code == 4 else "the selection collected no test")
     return exitcodes.from_pytest(code)

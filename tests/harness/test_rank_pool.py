@@ -86,11 +86,25 @@ def test_a_warm_pool_gives_the_outcomes_of_one_launch_per_cell(tmp_path, monkeyp
     assert not folders[0].exists() and no_process_of(folders[0])
 
 
-def test_the_pool_is_opt_in_and_its_switch_is_checked(monkeypatch):
+def test_the_pool_is_off_in_pytest_on_in_the_matrix_and_its_switch_is_checked(monkeypatch):
+    from stackcheck import lane
+
     monkeypatch.delenv(pool.POOL_ENV, raising=False)
     assert not pool.enabled()
+    assert lane.rank_pools(default=True) == (True, {pool.POOL_ENV: "1"})  # the matrix commands' default
+    assert lane.rank_pools(default=False) == (False, {pool.POOL_ENV: "0"})  # `stackcheck tests` (CI)
     monkeypatch.setenv(pool.POOL_ENV, "1")
-    assert pool.enabled()
+    assert pool.enabled() and lane.rank_pools(default=False)[0]
+    monkeypatch.setenv(pool.POOL_ENV, "0")
+    assert not pool.enabled() and not lane.rank_pools(default=True)[0]
     monkeypatch.setenv(pool.POOL_ENV, "yes")
     with pytest.raises(pytest.UsageError, match="STACKCHECK_RANK_POOL='yes'"):
         pool.enabled()
+
+
+def test_pools_choose_loadgroup_and_keep_the_order():
+    from stackcheck import lane
+
+    assert lane.parallel_options([], workers=2, pools=True) == ["-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder"]
+    assert lane.parallel_options([], workers=2) == ["-n", "2", "--dist", "load", "--maxschedchunk", "1"]
+    assert lane.parallel_options(["-n", "0"], workers=2, pools=True) == []

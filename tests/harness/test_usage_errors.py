@@ -164,6 +164,13 @@ def test_matrix_results_that_is_a_folder(command, tmp_path, capsys, no_environme
     assert line == f"stackcheck: --results {tmp_path} is a folder; name the file to write"
 
 
+@pytest.mark.parametrize("command", ["matrix", "gpu-matrix", "tests"])
+def test_a_rank_pool_switch_other_than_0_or_1_is_one_line(command, tmp_path, capsys, monkeypatch, no_environments):
+    monkeypatch.setenv("STACKCHECK_RANK_POOL", "yes")
+    line = one_usage_line(cli.main([command, "--sets", "seed", *(["--results", str(tmp_path / "m.json")] if command != "tests" else [])]), capsys)
+    assert line == ("stackcheck: STACKCHECK_RANK_POOL='yes': 1 runs the two-rank cells on warm rank pools, 0 launches each cell")
+
+
 @pytest.mark.parametrize("text, message", [("{", "cannot read"), ('{"sets": [], "cells": []}', "`sets` is not an object")],
                          ids=["not JSON", "sets as a list"])
 def test_matrix_over_corrupt_results_fails_before_any_build(text, message, tmp_path, capsys, no_environments):
