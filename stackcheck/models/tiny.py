@@ -9,6 +9,7 @@ hash of the tiny config and the adapter fixtures.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -92,7 +93,10 @@ def tiny_config(arch: Architecture):
     try:
         from transformers import AutoConfig
 
-        settings = dict(arch.config)
+        # A deep copy: transformers fills nested settings in place (5.23 adds rope_type, rope_theta and more to Phi-4's
+        # rope_scaling), which would change the architecture's digest, so its cache folder, in mid-run: the ranks of
+        # a job then asked for another checkpoint than the one their caller built, and built it themselves.
+        settings = copy.deepcopy(arch.config)
         return AutoConfig.for_model(settings.pop("model_type"), **settings)
     except Exception as exc:
         raise FixtureError(f"this transformers cannot build the tiny {arch.name} config: {type(exc).__name__}: {exc}") from exc
@@ -130,6 +134,9 @@ def _build_locked(target: Path, build) -> Path:
             raise
         except Exception as exc:
             raise FixtureError(f"fixture {target.name} cannot be built: {type(exc).__name__}: {exc}") from exc
+        if not any(scratch.iterdir()):  # never cached: every later cell would load an empty folder
+            raise FixtureError(f"fixture {target.name} was built empty (save_pretrained writes on rank 0 alone under a "
+                               "process group: a job's ranks must read what their caller built)")
         os.replace(scratch, target)
         BUILT.append((target.name, time.monotonic() - started))
     except OSError:

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from stackcheck import REPO_ROOT
-from stackcheck.models import architectures
+from stackcheck.models import architectures, tiny
 from stackcheck.models.tiny import FIXTURES_DIR
 
 FULL_CONFIGS = sorted(architectures.ARCHITECTURES_DIR.glob("*.json")) + sorted(FIXTURES_DIR.glob("gemma4-*/config.json"))
@@ -116,3 +116,22 @@ def test_a_users_config_runs_the_families_under_its_own_name(tmp_path):
     cells = json.loads(results.read_text())["cells"]
     assert cells and {cell["arch"] for cell in cells} == {"my_llama"}
     assert all("[cpu-my_llama]" in cell["test"] and cell["verdict"] in ("pass", "known_bug") for cell in cells), cells
+
+
+@pytest.mark.parametrize("name", sorted(architectures.builtin()))
+def test_building_a_tiny_config_leaves_the_architecture_as_it_was(name):
+    """transformers fills nested settings in place (5.23: Phi-4's rope_scaling); the architecture's digest names its
+    cache folder, so a config built from it must not change it: else a job's ranks ask for another checkpoint than
+    their caller built (and a rank other than 0 saves an empty one under its process group)."""
+    arch = architectures.builtin()[name]
+    before = arch.digest_text()
+    tiny.tiny_config(arch)
+    assert arch.digest_text() == before
+
+
+def test_a_fixture_built_empty_is_never_cached(tmp_path):
+    target = tmp_path / "cache" / "base"
+    target.parent.mkdir()
+    with pytest.raises(tiny.FixtureError, match="built empty"):
+        tiny._build_once(target, lambda out: None)
+    assert not target.exists()
