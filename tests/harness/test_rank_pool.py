@@ -102,8 +102,10 @@ def test_the_pool_is_off_in_pytest_on_in_the_matrix_and_its_switch_is_checked(mo
         pool.enabled()
 
 
-def test_pools_choose_loadgroup_and_keep_the_order():
+def test_pools_choose_loadgroup_and_keep_the_order(monkeypatch):
     from stackcheck import lane
+
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # as the matrix's own pytest sees it, not CI's workers
 
     assert lane.parallel_options([], workers=2, pools=True) == ["-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder"]
     assert lane.parallel_options([], workers=2) == ["-n", "2", "--dist", "load", "--maxschedchunk", "1"]
