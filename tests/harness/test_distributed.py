@@ -126,10 +126,16 @@ def rank_deepspeed_process_group() -> dict:
     return {"world_size": deepspeed.comm.get_world_size()}
 
 
-def no_process_of(outdir) -> bool:
-    """No process still has the job's folder on its command line (ranks, supervisors, the launcher)."""
-    found = subprocess.run(["pgrep", "-f", str(outdir)], capture_output=True, text=True)
-    return found.stdout.strip() == ""
+def no_process_of(outdir, grace: float = 5.0) -> bool:
+    """No process still has the job's folder on its command line (ranks, supervisors, the launcher), within `grace`
+    seconds: the launcher sends SIGKILL to each rank's group and collects only its own child, so a killed rank, not
+    its child, may take a moment to leave the process table on a loaded machine (a CI run read one still there)."""
+    deadline = time.monotonic() + grace
+    while True:
+        found = subprocess.run(["pgrep", "-f", str(outdir)], capture_output=True, text=True)
+        if found.stdout.strip() == "" or time.monotonic() > deadline:
+            return found.stdout.strip() == ""
+        time.sleep(0.1)
 
 
 # Real jobs.
