@@ -194,6 +194,12 @@ class Failure:
             message = re.sub(r"\nassert .*\Z", "", message, flags=re.DOTALL)
         return cls(type(exc).__name__, mro, message, frames, getattr(exc, "measured", None), not_reached)
 
+    @classmethod
+    def raised_outside_pytest(cls, exc: BaseException) -> Failure:
+        """The failure of an exception caught in a process pytest does not run (a rank, a fresh resume), where the
+        ScenarioNotReached class may come from another import of stackcheck: recognised by its name."""
+        return cls.from_exception(exc, "ScenarioNotReached" in (k.__name__ for k in type(exc).__mro__))
+
     def to_json(self) -> dict:
         return asdict(self)
 

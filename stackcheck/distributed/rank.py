@@ -165,8 +165,7 @@ def call(target: str, outdir: Path, rank: int) -> RankOutcome:
         keep_deepspeed_from_building_its_cpu_shm_op()
         result = getattr(importlib.import_module(module_name), function_name)(**kwargs)
     except Exception as exc:  # noqa: BLE001 - every exception of the rank's function is its outcome
-        not_reached = "ScenarioNotReached" in (k.__name__ for k in type(exc).__mro__)
-        return RankOutcome(rank, RankState.FAILED, Failure.from_exception(exc, not_reached))
+        return RankOutcome(rank, RankState.FAILED, Failure.raised_outside_pytest(exc))
     return RankOutcome(rank, RankState.PASSED, result=result)
 
 

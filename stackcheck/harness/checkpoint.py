@@ -223,8 +223,7 @@ def main(argv: list[str]) -> int:
     try:
         record = resume(under_test, Path(call["checkpoint"]), Path(call["output_dir"]), call["optim"])
     except Exception as exc:  # its Failure, for the test's process to be judged by; the traceback still goes to stderr
-        not_reached = "ScenarioNotReached" in (k.__name__ for k in type(exc).__mro__)
-        Path(call["failure"]).write_text(json.dumps(Failure.from_exception(exc, not_reached).to_json()))
+        Path(call["failure"]).write_text(json.dumps(Failure.raised_outside_pytest(exc).to_json()))
         raise
     record.save(Path(call["record"]))
     return 0
