@@ -1,4 +1,5 @@
-"""Shared fixtures. The stackcheck plugin (verdicts, recording) is loaded from pyproject's addopts."""
+"""Shared fixtures. The stackcheck plugins (verdicts, recording, the garbage collection between tests) are loaded from
+pyproject's addopts."""
 
 import os
 
@@ -8,18 +9,6 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _free_accelerator_memory():
-    yield
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 @pytest.fixture

@@ -347,6 +347,9 @@ class Recorder:
     early (Ctrl-C, -x, --maxfail) puts back the cells its placeholders replaced."""
 
     STOPPED = "cell not run: the run stopped before this cell (Ctrl-C, -x or --maxfail)"
+    # matrix.json takes every verdict as it comes; matrix.md, rendered from it, follows within this many seconds, and
+    # at the run's end.
+    MARKDOWN_EVERY = 10.0
 
     def __init__(self, path: Path, set_name: str, lanes: list[str], arch_names: list[str], versions: dict[str, str],
                  platform: Callable[[], dict[str, str]]):
@@ -359,6 +362,7 @@ class Recorder:
         self.unimportable: list[Cell] = []  # cells of family modules that did not import, until the run starts
         self.placeholders: dict[tuple[str, str, str], Cell] = {}  # the run's cells still waiting for a verdict
         self.replaced: dict[tuple[str, str, str], Cell] = {}  # what the placeholders replaced
+        self.rendered = time.monotonic()  # when matrix.md was last rendered (begin_run renders it)
 
     def _lost(self, nodeid: str, family: str, signature: str = LOST, note: str | None = None) -> Cell:
         return Cell.lost(self.set_name, family, nodeid, self.arch_names, signature, note, self.run)
@@ -366,7 +370,10 @@ class Recorder:
     def _record(self, cells: list[Cell]) -> None:
         for cell in cells:
             self.placeholders.pop(cell.key, None)
-        results.record_cells(self.path, cells, self.fingerprint)
+        markdown = time.monotonic() - self.rendered >= self.MARKDOWN_EVERY
+        results.record_cells(self.path, cells, self.fingerprint, markdown)
+        if markdown:
+            self.rendered = time.monotonic()
 
     def _start(self, nodeids: list[str]) -> None:
         cells = [self._lost(nodeid, family) for nodeid in nodeids if (family := family_of(nodeid))] + self.unimportable
@@ -408,11 +415,13 @@ class Recorder:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         """Cells the run never reached (it stopped early; a crashed process never gets here) get back what they
-        replaced, or say that they were not run."""
+        replaced, or say that they were not run; matrix.md shows every verdict."""
         if self.placeholders:
             back = [self.replaced.get(key) or cell.replace(signature=self.STOPPED) for key, cell in self.placeholders.items()]
             results.end_run(self.path, back, self.run, self.fingerprint)
             self.placeholders = {}
+        if self.started:
+            results.write_markdown(self.path, self.fingerprint)
 
 
 class Timing:

@@ -10,12 +10,12 @@ storages, each rounded up to a block (`allocator_bytes`), and a 4-bit layer's sh
 
 from __future__ import annotations
 
-import gc
 import math
 from contextlib import contextmanager
 
 import torch
 
+from stackcheck.gc_freeze import collect_everything
 from stackcheck.harness.load import linear4bit_modules, quant_state_tensors
 from stackcheck.harness.proof import require
 from stackcheck.harness.subject import UnderTest
@@ -43,7 +43,7 @@ def settled(device: torch.device, deferred_frees: bool = False) -> int:
     does for a tensor it brought back on its copy stream): such a block stays counted until the allocator
     processes its stream's events, at a later allocation or at `empty_cache`, which does (and releases cached
     blocks, which `memory_allocated` does not count). A live tensor stays counted either way."""
-    gc.collect()
+    collect_everything()
     torch.cuda.synchronize(device)
     if deferred_frees:
         torch.cuda.empty_cache()
