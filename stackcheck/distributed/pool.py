@@ -12,8 +12,10 @@ their process group, and reset what a cell leaves behind (rank.leave_the_cell).
 
 One pool per key: everything that makes two launches differ (the interpreter, the engine and its changed options,
 the world size, the lane, the whole environment the job inherits, which names the visible devices and a guard's
-PYTHONPATH). A cell whose ranks do not all pass (failed, died, hung: every outcome exactly as `launcher` gives it,
-stacks included) tears its pool down, and the next cell of that key starts a fresh one; so does a pool whose job
+PYTHONPATH). A cell whose every rank raised on its own (a known bug often does: both ranks hit the same line) keeps
+its pool once each rank has reset and a tiny collective found the process group whole (rank.fence). Any other cell
+that does not pass (a rank died, hung, or was stopped while another failed: every outcome exactly as `launcher` gives
+it, stacks included) tears its pool down, and the next cell of that key starts a fresh one; so does a pool whose job
 ended. At most MAX_POOLS stay warm in a process (the oldest goes first), and every pool is torn down when the
 process exits; a pool whose owner died (a crashed or interrupted pytest) ends itself within a second.
 
@@ -49,6 +51,9 @@ MAX_POOLS = 2
 # (to the defaults each rank's torch sets itself) once a test there builds a model (a tiny checkpoint: measured, a new
 # pool for every architecture's first cell without this).
 VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
+# How long the ranks of a cell that failed on every rank have to reset and answer the fence (a tiny collective) before
+# the pool is ended instead.
+FENCE_SECONDS = 20.0
 
 
 class SettingError(ValueError):
@@ -150,12 +155,29 @@ def launch_once(target: str, outdir: Path, world_size: int, engine: str | None, 
     hand_over(pool, target, outdir)
     hung_after = launcher.wait(pool.job, outdir, world_size, timeout)
     states = launcher.written_states(outdir, world_size)
-    if hung_after is None and pool.alive() and len(states) == world_size and set(states.values()) == {RankState.PASSED}:
-        return launcher.outcomes(outdir, world_size, None, None)
+    if hung_after is None and pool.alive() and len(states) == world_size:
+        if set(states.values()) == {RankState.PASSED}:
+            return launcher.outcomes(outdir, world_size, None, None)
+        if set(states.values()) == {RankState.FAILED} and kept(pool):
+            return launcher.outcomes(outdir, world_size, None, None)
     if hung_after is not None:
         launcher.dump_stacks(outdir, world_size)
     close_after(pool, outdir)
     return launcher.outcomes(outdir, world_size, hung_after, pool.job.returncode)
+
+
+def kept(pool: Pool) -> bool:
+    """After a cell whose every rank raised on its own (none died, hung or was stopped): keep the pool if each rank's
+    fence (rank.fence) found the process group whole within FENCE_SECONDS; the caller ends it otherwise."""
+    index = pool.cells - 1
+    rank_side.keep_path(pool.folder, index).write_text("")
+    answers = [rank_side.fence_path(pool.folder, index, rank) for rank in range(pool.world_size)]
+    deadline = time.monotonic() + FENCE_SECONDS
+    while not all(path.exists() for path in answers):
+        if time.monotonic() >= deadline or not pool.alive():
+            return False
+        time.sleep(launcher.POLL_SECONDS)
+    return all(json.loads(path.read_text())["whole"] for path in answers) and pool.alive()
 
 
 def hand_over(pool: Pool, target: str, outdir: Path) -> None:

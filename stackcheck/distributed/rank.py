@@ -185,18 +185,34 @@ JOB_POLL_SECONDS = 0.01
 OWNER_POLL_SECONDS = 1.0
 
 
+def keep_path(folder: Path, index: int) -> Path:
+    """Written by the launcher when every rank of the pool's index-th cell failed on its own: the pool stays."""
+    return folder / f"keep-{index}"
+
+
+def fence_path(folder: Path, index: int, rank: int) -> Path:
+    """A rank's answer after a kept cell: whether its process group still pairs every rank's collectives."""
+    return folder / f"fence-{index}-rank-{rank}.json"
+
+
 def next_job(folder: Path, index: int) -> dict | None:
     """The pool's index-th cell ({"target", "outdir"}), once the launcher has written it; None once the process that
     owns the pool is gone (a crashed or interrupted pytest), or the pool's folder is."""
+    path = job_path(folder, index)
+    return json.loads(path.read_text()) if wait_for(path, folder) else None
+
+
+def wait_for(path: Path, folder: Path) -> bool:
+    """Whether `path` appeared before the pool's owner or its folder went."""
     owner = int((folder / OWNER_FILE).read_text())
-    path, checked = job_path(folder, index), time.monotonic()
+    checked = time.monotonic()
     while not path.exists():
         if time.monotonic() - checked >= OWNER_POLL_SECONDS:
             checked = time.monotonic()
             if not alive(owner) or not folder.is_dir():
-                return None
+                return False
         time.sleep(JOB_POLL_SECONDS)
-    return json.loads(path.read_text())
+    return True
 
 
 def alive(pid: int) -> bool:
@@ -211,9 +227,10 @@ def alive(pid: int) -> bool:
 
 def pool_work(folder: Path) -> int:
     """Run the pool's cells in turn, each as `work` runs one (its call.json, outcome, pid, log and stacks files in the
-    cell's folder), keeping the process group and the imported modules between them. A cell that does not pass
-    ends the worker as `work` ends (the launcher then tears the pool down); after one that passes, `leave_the_cell`
-    resets what a cell leaves behind."""
+    cell's folder), keeping the process group and the imported modules between them. After a cell, `leave_the_cell`
+    resets what a cell leaves behind. A cell whose function raised here waits for the launcher: where every rank
+    raised on its own, it keeps the pool (keep_path) once each rank's `fence` found the process group whole; else it
+    ends the pool, as a launched job ends after a failed rank."""
     rank = rank_index()
     environ, cwd = dict(os.environ), os.getcwd()
     index = 0
@@ -230,8 +247,14 @@ def pool_work(folder: Path) -> int:
         found = call(job["target"], outdir, rank)
         if found.state != RankState.PASSED:
             found.write(outcome_path(outdir, rank))
-            _leave_process_group()
-            return 1
+            if not wait_for(keep_path(folder, index), folder):
+                _leave_process_group()
+                return 1
+            leave_the_cell(environ, cwd)
+            if not fence(folder, index, rank):
+                return 1
+            index += 1
+            continue
         leave_the_cell(environ, cwd)
         sys.stdout.flush(), sys.stderr.flush()
         found.write(outcome_path(outdir, rank))
@@ -264,6 +287,36 @@ def leave_the_cell(environ: dict, cwd: str) -> None:
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+
+def fence(folder: Path, index: int, rank: int) -> bool:
+    """After the pool's index-th cell failed on every rank: one collective over the process group the cell left, each
+    rank's (rank, index) gathered on every rank. A group whose ranks are out of step (one issued a collective the other
+    never matched) gathers something else, raises or hangs (the launcher waits for this answer only so long, then ends
+    the pool). Written to fence_path: whether the group gathered exactly every rank's pair. A rank whose cell never
+    started a process group has nothing to check."""
+    whole, why = True, None
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        import torch
+
+        try:
+            cuda = "nccl" in str(distributed.get_backend()) and torch.cuda.is_available()
+            place = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+            size = distributed.get_world_size()
+            mine = torch.tensor([rank, index], dtype=torch.int64, device=place)
+            gathered = [torch.zeros(2, dtype=torch.int64, device=place) for _ in range(size)]
+            distributed.all_gather(gathered, mine)
+            pairs = [pair.tolist() for pair in gathered]
+            whole = pairs == [[each, index] for each in range(size)]
+            why = None if whole else f"gathered {pairs}"
+        except Exception as exc:  # noqa: BLE001 - any failure of the collective means the group is not whole
+            whole, why = False, f"{type(exc).__name__}: {exc}"
+    path = fence_path(folder, index, rank)
+    scratch = path.with_name(f".{path.name}.tmp")
+    scratch.write_text(json.dumps({"whole": whole, "why": why}))
+    scratch.replace(path)
+    return whole
 
 
 def _leave_process_group() -> None:

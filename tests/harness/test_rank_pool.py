@@ -37,6 +37,12 @@ def rank_one_raises(job: str, value: int) -> dict:
     return result
 
 
+def rank_both_raise(job: str, value: int) -> dict:
+    """Every rank raises on its own after a collective, as a known bug on the code path every rank runs does."""
+    result = rank_gathers(job, value)
+    raise RuntimeError(f"every rank's own error after gathering {result['gathered']}")
+
+
 def no_process_of(folder) -> bool:
     """No process still has the folder on its command line (the pool's launcher, agent, supervisors and workers)."""
     import subprocess
@@ -50,14 +56,19 @@ def comparable(outcomes) -> list[tuple]:
              o.result and {k: v for k, v in o.result.items() if k != "pid"}) for o in outcomes]
 
 
-CELLS = [("rank_gathers", 1), ("rank_gathers", 2), ("rank_one_raises", 3)]
+CELLS = [("rank_gathers", 1), ("rank_both_raise", 2), ("rank_gathers", 3), ("rank_one_raises", 4)]
+EVERY_RANK_RAISES, ONE_RANK_RAISES = 1, 3
 
 
 def test_a_warm_pool_gives_the_outcomes_of_one_launch_per_cell(tmp_path, monkeypatch):
-    """Three cells of a `ddp` launch (accelerate launch, two gloo ranks), one of whose ranks fails in the third: on one
-    warm pool, and launched one by one. The pool's first two cells ran in the same two processes (the pool was reached:
-    the second cell rebuilt accelerate's state and found the process group alive); every rank's state, failure and
-    result are the same both ways; the failing cell tore the pool down, every process of it gone."""
+    """Four cells of a `ddp` launch (accelerate launch, two gloo ranks): on one warm pool, and launched one by one.
+    The second fails on every rank on its own, the fourth on rank 1 only. The pool's first three cells ran in the
+    same two processes (the pool was reached: each cell rebuilt accelerate's state and found the process group
+    alive; the failure on every rank kept the pool once the fence found the group whole); every rank's state, failure
+    and result are the same both ways; the fourth cell tore the pool down, every process of it gone.
+
+    One launch per cell: when every rank raises, torch's agent may stop the slower rank before its own error
+    (stopped, not failed): a launched rank of that cell is failed with the pooled rank's failure, or stopped."""
     monkeypatch.setattr(pool, "_pools", type(pool._pools)())
 
     folders = []
@@ -67,21 +78,26 @@ def test_a_warm_pool_gives_the_outcomes_of_one_launch_per_cell(tmp_path, monkeyp
         for index, (function, value) in enumerate(CELLS):
             job = tmp_path / how / str(index) / "job"
             found.append(launch(f"{HERE}:{function}", job, 2, "ddp", "cpu", 180.0, {"job": str(job), "value": value}))
-            if how == "pool" and index < 2:
-                assert len(pool._pools) == 1, "the pool did not stay warm after a passing cell"
+            if how == "pool" and index < ONE_RANK_RAISES:
+                assert len(pool._pools) == 1, f"the pool did not stay warm after cell {index}"
                 folders.extend(p.folder for p in pool._pools.values())
         return found
 
     pooled = run(pool.launch, "pool")
-    assert not pool._pools, "the failing cell left its pool warm"
+    assert not pool._pools, "the cell that failed on one rank left its pool warm"
     launched = run(launcher.launch, "launched")
 
-    pids = [[o.result["pid"] for o in outcomes] for outcomes in pooled[:2]]
-    assert pids[0] == pids[1], f"the pool's second cell ran in other processes: {pids}"
-    assert [o.state for o in pooled[2]] == [RankState.PASSED, RankState.FAILED]
-    assert [comparable(o) for o in pooled] == [comparable(o) for o in launched]
-    assert len(set(folders)) == 1, f"one pool ran the passing cells: {folders}"
-    failed = tmp_path / "pool" / "2" / "job"
+    pids = [[o.result["pid"] for o in outcomes] for index, outcomes in enumerate(pooled[:ONE_RANK_RAISES]) if index != EVERY_RANK_RAISES]
+    assert pids[0] == pids[1], f"the cell after the failure on every rank ran in other processes: {pids}"
+    assert [o.state for o in pooled[EVERY_RANK_RAISES]] == [RankState.FAILED, RankState.FAILED]
+    assert [o.state for o in pooled[ONE_RANK_RAISES]] == [RankState.PASSED, RankState.FAILED]
+    alike = [index for index in range(len(CELLS)) if index != EVERY_RANK_RAISES]
+    assert [comparable(pooled[index]) for index in alike] == [comparable(launched[index]) for index in alike]
+    for pooled_rank, launched_rank in zip(comparable(pooled[EVERY_RANK_RAISES]), comparable(launched[EVERY_RANK_RAISES])):
+        assert launched_rank == pooled_rank or launched_rank[1] == RankState.STOPPED, (pooled_rank, launched_rank)
+    assert RankState.FAILED in [o.state for o in launched[EVERY_RANK_RAISES]]
+    assert len(set(folders)) == 1, f"one pool ran the first three cells: {folders}"
+    failed = tmp_path / "pool" / str(ONE_RANK_RAISES) / "job"
     assert (failed / "rank-1.log").exists() and (failed / "launcher.log").exists()
     assert not folders[0].exists() and no_process_of(folders[0])
 
