@@ -32,12 +32,20 @@ ENVS_DIR = REPO_ROOT / ".stackcheck" / "envs"
 LOCAL_WHEEL_DIRS = [d for d in os.environ.get(protocol.WHEEL_DIRS_ENV, "/opt/wheels").split(os.pathsep) if d]
 
 
-# Every installer here writes the packages' bytecode at install time (uv with --compile-bytecode, pip by default), so a
-# process that imports them never compiles torch, transformers and DeepSpeed from source: where the environment says
-# PYTHONDONTWRITEBYTECODE=1 (this project's machines do) Python reads .pyc files but never writes them, and every
-# interpreter compiled about 3600 modules again (10.7 s against 4.2 s to import torch, transformers, peft, accelerate,
-# bitsandbytes and DeepSpeed; docs/speed.md). An environment built before this line was in its stamp is built again.
-BYTECODE_STAMP = "bytecode=compiled at install"
+# Where the set's processes keep the bytecode of what they import (PYTHONPYCACHEPREFIX): the pytest runs, their xdist
+# workers, ranks and fresh processes. Where the environment says PYTHONDONTWRITEBYTECODE=1 (this project's machines
+# and the GPU image do), Python reads .pyc files but never writes them, and every interpreter compiled torch,
+# transformers and DeepSpeed from source again (about 3600 modules: 10.7 s against 4.2 s to import them; the GPU
+# image's torch has no .pyc at all). Here the first process compiles and writes, every later one reads; nothing is
+# written beside anyone's sources. A prefix the user set is kept.
+PYCACHE_DIR = REPO_ROOT / ".stackcheck" / "pycache"
+
+
+def bytecode_cache(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` for a set's process: bytecode written and read under PYCACHE_DIR (or the user's own prefix)."""
+    variables = {name: value for name, value in environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
+    variables.setdefault("PYTHONPYCACHEPREFIX", str(PYCACHE_DIR))
+    return variables
 
 
 class EnvBuildError(Exception):
@@ -181,7 +189,7 @@ def _build(vset: VersionSet, find_links, no_index: bool, groups: tuple[str, ...]
     env = ENVS_DIR / "+".join([vset.slug, *groups])
     python = env / "bin" / "python"
     stamp = env / "stackcheck-requirements.txt"
-    wanted = "\n".join(requirements + [f"inherit={inherit}", *find_links, f"no_index={no_index}", BYTECODE_STAMP]) + "\n"
+    wanted = "\n".join(requirements + [f"inherit={inherit}", *find_links, f"no_index={no_index}"]) + "\n"
     if python.exists() and stamp.exists() and stamp.read_text() == wanted:
         return python
     shutil.rmtree(env, ignore_errors=True)
@@ -194,14 +202,14 @@ def _build(vset: VersionSet, find_links, no_index: bool, groups: tuple[str, ...]
         # those wheels, uv's seconds instead of pip resolving again over the inherited packages (25 to 35 s).
         _run([sys.executable, "-m", "venv", "--without-pip", str(env)])
         inherit_host_site_packages(python)
-        _run([uv, "pip", "install", "--quiet", "--compile-bytecode", "--no-deps", "--offline", "--python", str(python), *map(str, resolved)], log=log)
+        _run([uv, "pip", "install", "--quiet", "--no-deps", "--offline", "--python", str(python), *map(str, resolved)], log=log)
     elif inherit:
         _run([sys.executable, "-m", "venv", "--without-pip", str(env)])
         inherit_host_site_packages(python)
         _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *index_args, *requirements], log=log)
     elif uv:
         _run([uv, "venv", "--quiet", "--python", sys.executable, str(env)])
-        _run([uv, "pip", "install", "--quiet", "--compile-bytecode", "--python", str(python), *index_args, *requirements], log=log)
+        _run([uv, "pip", "install", "--quiet", "--python", str(python), *index_args, *requirements], log=log)
     else:
         _run([sys.executable, "-m", "venv", str(env)])
         _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *index_args, *requirements], log=log)

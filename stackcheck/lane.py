@@ -174,8 +174,8 @@ def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[s
     if baseline:
         command.append(option(BASELINE_OPTION, baseline))
     print("+", " ".join(command), flush=True)
-    variables = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}),
-                     **{LAUNCHED_AT_ENV: repr(time.time()), RUN_ENV: run or new_run_id()})
+    variables = envs.bytecode_cache(dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}),
+                                         **{LAUNCHED_AT_ENV: repr(time.time()), RUN_ENV: run or new_run_id()}))
     return subprocess.call(command, cwd=REPO_ROOT, env=variables)
 
 
