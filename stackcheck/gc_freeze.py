@@ -1,5 +1,6 @@
 """pytest plugin (`-p stackcheck.gc_freeze`, on by default from pyproject's addopts; `-p no:stackcheck.gc_freeze`
-turns it off, and with it the collection between tests): the garbage collection between tests, cheap.
+turns it off, and with it the collection between tests): the garbage collection between tests, cheap, after the
+libraries' process-wide state is reset (stackcheck.isolation).
 
 Every test ends with a full garbage collection (and CUDA's cache emptied), so that what a test left in reference
 cycles (a model, its CUDA tensors, a library's weakly referenced registration) is gone before the next one starts.
@@ -24,6 +25,8 @@ import sys
 
 import pytest
 
+from stackcheck.isolation import reset_libraries
+
 
 def collect_everything() -> None:
     """A full collection that reaches frozen objects too, frozen again after (only where something was)."""
@@ -43,6 +46,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     # After every fixture of the test, and those of its module when it is the module's last.
     result = yield
+    reset_libraries()  # what the test left in accelerate's and transformers' process-wide state becomes garbage here
     if nextitem is None or nextitem.path != item.path:
         collect_everything()
     else:

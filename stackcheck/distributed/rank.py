@@ -270,13 +270,9 @@ def leave_the_cell(environ: dict, cwd: str) -> None:
     reference, the environment, working folder and default dtype the pool started with, then garbage and the CUDA cache."""
     import gc
 
-    if "accelerate.state" in sys.modules:
-        from accelerate.state import AcceleratorState, GradientState
+    from stackcheck.isolation import reset_libraries
 
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-    if "transformers.integrations.deepspeed" in sys.modules:
-        sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()
+    reset_libraries()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
