@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -337,8 +338,11 @@ def _judge_setup(exc: BaseException, judge) -> Judgement:
 
 
 class Recorder:
-    """Writes each cell to matrix.json the moment its verdict is known, with setup + call seconds; runs in
-    the process that owns the results file (the xdist controller, or a plain run).
+    """Writes each cell to matrix.json within FLUSH_EVERY seconds of its verdict, with setup + call seconds; runs in
+    the process that owns the results file (the xdist controller, or a plain run). Each write reads and writes the
+    whole file under its lock, so verdicts that come within FLUSH_EVERY of each other share one write: on a GPU host's
+    16 workers (2631 cells a set) one write per verdict kept the controller busy and the workers waiting for their
+    next test (25 to 64 s of gaps a worker, docs/speed.md). A thread writes what waits when no verdict comes.
 
     Nothing is written until collection finishes. Then, in one step (results.begin_run), the set's versions are
     recorded and each collected cell gets a placeholder (`error`, cell lost), which its verdict replaces as it comes:
@@ -347,6 +351,7 @@ class Recorder:
     early (Ctrl-C, -x, --maxfail) puts back the cells its placeholders replaced."""
 
     STOPPED = "cell not run: the run stopped before this cell (Ctrl-C, -x or --maxfail)"
+    FLUSH_EVERY = 1.0
     # matrix.json takes every verdict as it comes; matrix.md, rendered from it, follows within this many seconds, and
     # at the run's end.
     MARKDOWN_EVERY = 10.0
@@ -363,17 +368,42 @@ class Recorder:
         self.placeholders: dict[tuple[str, str, str], Cell] = {}  # the run's cells still waiting for a verdict
         self.replaced: dict[tuple[str, str, str], Cell] = {}  # what the placeholders replaced
         self.rendered = time.monotonic()  # when matrix.md was last rendered (begin_run renders it)
+        self.pending: list[Cell] = []  # verdicts not yet written, oldest first
+        self.flushed = time.monotonic()
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.writer: threading.Thread | None = None
 
     def _lost(self, nodeid: str, family: str, signature: str = LOST, note: str | None = None) -> Cell:
         return Cell.lost(self.set_name, family, nodeid, self.arch_names, signature, note, self.run)
 
     def _record(self, cells: list[Cell]) -> None:
-        for cell in cells:
-            self.placeholders.pop(cell.key, None)
-        markdown = time.monotonic() - self.rendered >= self.MARKDOWN_EVERY
+        with self.lock:
+            for cell in cells:
+                self.placeholders.pop(cell.key, None)
+            self.pending += cells
+            if time.monotonic() - self.flushed >= self.FLUSH_EVERY:
+                self._flush()
+        if self.writer is None:
+            self.writer = threading.Thread(target=self._write_waiting, name="stackcheck-recorder", daemon=True)
+            self.writer.start()
+
+    def _flush(self) -> None:
+        """Write the waiting verdicts (the caller holds the lock)."""
+        self.flushed = time.monotonic()
+        if not self.pending:
+            return
+        markdown = self.flushed - self.rendered >= self.MARKDOWN_EVERY
+        cells, self.pending = self.pending, []
         results.record_cells(self.path, cells, self.fingerprint, markdown)
         if markdown:
             self.rendered = time.monotonic()
+
+    def _write_waiting(self) -> None:
+        while not self.stop.wait(self.FLUSH_EVERY):
+            with self.lock:
+                if time.monotonic() - self.flushed >= self.FLUSH_EVERY:
+                    self._flush()
 
     def _start(self, nodeids: list[str]) -> None:
         cells = [self._lost(nodeid, family) for nodeid in nodeids if (family := family_of(nodeid))] + self.unimportable
@@ -416,6 +446,11 @@ class Recorder:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         """Cells the run never reached (it stopped early; a crashed process never gets here) get back what they
         replaced, or say that they were not run; matrix.md shows every verdict."""
+        self.stop.set()
+        if self.writer is not None:
+            self.writer.join()
+        with self.lock:
+            self._flush()
         if self.placeholders:
             back = [self.replaced.get(key) or cell.replace(signature=self.STOPPED) for key, cell in self.placeholders.items()]
             results.end_run(self.path, back, self.run, self.fingerprint)

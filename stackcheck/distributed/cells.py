@@ -30,7 +30,10 @@ DEFAULT_TIMEOUT = 180.0
 # STACKCHECK_DIST_CPU=all: the CPU lane also runs the cells left out of the default run for their cost.
 CPU_SELECTION_ENV = "STACKCHECK_DIST_CPU"
 # `@pytest.mark.ranks_engine(ENGINE)` names the engine a test launches where it is not the test's `engine` parameter;
-# ENGINE is a name, or a function of the test's parameters that gives it.
+# ENGINE is a name, or a function of the test's parameters that gives it. `own_pool=True`: each cell passes engine
+# options of its own (a DeepSpeed config file per cell), so no two cells share a pool and none is held to another's
+# worker (grouped, engine_accumulation's 12 one-GPU cells ran one after another, each starting its own pool: 150 s of
+# one worker, the critical path of a set on one H100).
 ENGINE_MARK = "ranks_engine"
 
 
@@ -47,6 +50,8 @@ def pool_group(item: pytest.Item) -> str | None:
     if lane == "cpu" and world_size != CPU_WORLD_SIZE:
         return None
     mark = item.get_closest_marker(ENGINE_MARK)
+    if mark and mark.kwargs.get("own_pool"):
+        return None
     engine = (mark.args[0](params) if callable(mark.args[0]) else mark.args[0]) if mark else params.get("engine")
     return pool.group(engine, world_size, lane) if engine else None
 

@@ -226,7 +226,7 @@ def ranks_spread(update: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize("cell", list(ENGINES))
-@pytest.mark.ranks_engine("zero")
+@pytest.mark.ranks_engine("zero", own_pool=True)  # a DeepSpeed config file of each cell's own
 @WORLD_SIZES
 def test_accumulated_micro_batches_update_as_one_batch(ranks, world_size, cell, tmp_path):
     tiny.base_checkpoint(architectures.builtin()[ARCHITECTURE])  # built once here, before the ranks read it
