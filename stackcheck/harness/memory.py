@@ -262,7 +262,12 @@ def trl_activation_offloading(model: torch.nn.Module):
     (`get_act_offloading_ctx_manager(model=self.model)`, on the PeftModel, defaults: pinned memory, a copy stream,
     tensors of 1024 bytes or more) and entered around each step's forward and backward (its `training_step`; the
     optimizer steps outside it). trl is imported here, not at the module's import: `require_trl_offloading` first."""
+    from accelerate import PartialState
     from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+    # SFTTrainer has built its Accelerator by then, and trl logs through accelerate's logger, which needs that state
+    # (a process whose first trl call is this one raises 'You must initialize the accelerate state').
+    PartialState()
 
     return get_act_offloading_ctx_manager(model=model)
 
