@@ -342,7 +342,8 @@ class Recorder:
     the process that owns the results file (the xdist controller, or a plain run). Each write reads and writes the
     whole file under its lock, so verdicts that come within FLUSH_EVERY of each other share one write: on a GPU host's
     16 workers (2631 cells a set) one write per verdict kept the controller busy and the workers waiting for their
-    next test (25 to 64 s of gaps a worker, docs/speed.md). A thread writes what waits when no verdict comes.
+    next test (a mean of 32 and 37 s of waiting a worker, docs/speed.md). A thread writes what waits when no verdict
+    comes.
 
     Nothing is written until collection finishes. Then, in one step (results.begin_run), the set's versions are
     recorded and each collected cell gets a placeholder (`error`, cell lost), which its verdict replaces as it comes:
