@@ -46,7 +46,8 @@ on tiny Gemma 4 and 0.0103 on multimodal Gemma 3 against the model's own roundin
 rerun). Measured on the CPU lane, seed and latest alike:
 the fitting budgets (1.5x footprints of 0.22 to 1.8 MB) kept every model whole; under the tight ones transformers put
 4% (tiny Mixtral) to 62% (tiny Gemma 3) of the budget on the CPU and the rest on disk. The int8 cells that offload to
-disk meet two bugs this family found (ledger `int8_auto_map_disk_scb_popped`, `int8_offload_quantizes_on_gpu0`).
+disk meet three bugs this family found (ledger `int8_auto_map_disk_scb_popped`, `int8_offload_quantizes_on_gpu0`
+on a host with no GPU, `int8_offload_cpu_branch_reads_scb_first` on one with a GPU).
 """
 
 import gc
