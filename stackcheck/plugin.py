@@ -353,8 +353,8 @@ class Recorder:
 
     STOPPED = "cell not run: the run stopped before this cell (Ctrl-C, -x or --maxfail)"
     FLUSH_EVERY = 1.0
-    # matrix.json takes every verdict as it comes; matrix.md, rendered from it, follows within this many seconds, and
-    # at the run's end.
+    # matrix.json takes every verdict within FLUSH_EVERY; matrix.md, rendered from it, follows within this many seconds,
+    # and at the run's end.
     MARKDOWN_EVERY = 10.0
 
     def __init__(self, path: Path, set_name: str, lanes: list[str], arch_names: list[str], versions: dict[str, str],
