@@ -23,7 +23,8 @@ Under pytest-xdist (`-n N`) on a GPU host, every worker sees every GPU a plain r
 CUDA_VISIBLE_DEVICES is the host's list rotated by k (`worker_gpus`), set before anything in the worker initialises
 CUDA. One-GPU cells (`cuda:0`, a world-size-1 job's rank) spread round robin over the GPUs, and a cell that needs
 k GPUs (`gpus(k)`, a `ws2` job, whose ranks inherit the worker's list) gets k of them, as without xdist. Each worker
-keeps to its share of the CPU cores (torch threads), unless OMP_NUM_THREADS says otherwise.
+keeps to its share of the CPU cores (torch threads, and the processes torch.compile's inductor compiles in: none
+beyond the worker with one core each), unless OMP_NUM_THREADS (TORCHINDUCTOR_COMPILE_THREADS) says otherwise.
 """
 
 from __future__ import annotations
@@ -116,6 +117,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
         os.environ["OMP_NUM_THREADS"] = str(workerinput[WORKER_THREADS_KEY])  # for what the worker starts
         torch.set_num_threads(workerinput[WORKER_THREADS_KEY])
+        # inductor (transformers compiles the forward of a static cache's generate on CUDA) otherwise starts a pool of
+        # one process per core in every worker that compiles: on one H100's 16 cores the GPU lane of cached_decoding,
+        # device_memory, qlora_step and lora_gradients took 72.1 s with the pools and 64.3 s compiling in the worker.
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(workerinput[WORKER_THREADS_KEY]))
     try:
         config.stackcheck_ledger = Ledger()
     except LedgerError as exc:
