@@ -16,7 +16,11 @@ collector's reach (`gc.freeze`):
 - an object that survived one test and dies later in a cycle (a module-scoped fixture's model) is frozen by then,
   so a test whose teardown finalized a fixture wider than the function (module, class, package or session scope)
   ends with a collection of everything (`collect_everything`), as does the run's last test and every reading of
-  memory that asks for one (stackcheck.harness.memory.settled): nothing is kept beyond its fixture.
+  memory that asks for one (stackcheck.harness.memory.settled): nothing is kept beyond its fixture;
+- such a reading freezes again what the test holds (its model, an optimizer, trl's offloading context), so a test
+  that took one ends with a collection of everything too. Without it the next reading of memory (another test's)
+  collected them, and blocks that trl's offloading had used on its copy stream stayed counted until the next
+  allocation: on one H100, the next load read 537 KiB freed during it, a false failure of device_memory.
 
 The full collection follows the fixtures, not the test's module: under xdist, longest first, a worker's next test is
 nearly always of another module, and a collection at each module's change walked everything after nearly every
@@ -33,6 +37,11 @@ import pytest
 from stackcheck.isolation import reset_libraries
 
 
+# Whether a full collection froze again what the running test holds (a reading of memory inside a test): its model
+# and the rest are then frozen, and only another full collection frees them once the test is over.
+_REFROZE = {"inside_a_test": False}
+
+
 def collect_everything() -> None:
     """A full collection that reaches frozen objects too, frozen again after (only where something was)."""
     frozen = gc.get_freeze_count()
@@ -40,6 +49,7 @@ def collect_everything() -> None:
     gc.collect()
     if frozen:
         gc.freeze()
+        _REFROZE["inside_a_test"] = True
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -63,9 +73,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     # hooks have run): what they held in cycles is garbage now, not frozen as a survivor.
     result = yield
     reset_libraries()  # what the test left in accelerate's and transformers' process-wide state becomes garbage here
-    if nextitem is None or item.session.stash.get(WIDER_FIXTURE_ENDED, False):
+    if nextitem is None or item.session.stash.get(WIDER_FIXTURE_ENDED, False) or _REFROZE["inside_a_test"]:
         item.session.stash[WIDER_FIXTURE_ENDED] = False
         collect_everything()
+        _REFROZE["inside_a_test"] = False
     else:
         gc.collect()
         gc.freeze()

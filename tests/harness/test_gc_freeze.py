@@ -1,7 +1,8 @@
 """The garbage collection between tests (stackcheck.gc_freeze) walks everything only where a fixture wider than a
 test's ended (and after the last test), not at every change of module: under xdist, longest first, a worker's next
 test is nearly always of another module. And what such a fixture held in a reference cycle, frozen by then, is
-still collected before the next test, as is what a test's own fixture held (not frozen as a survivor). A nested pytest run of three modules, their tests interleaved as a worker
+still collected before the next test, as is what a test's own fixture held (not frozen as a survivor) and what a
+test held when it collected everything itself (stackcheck.harness.memory.settled freezes it again). A nested pytest run of three modules, their tests interleaved as a worker
 gets them, with the plugin and a count of its full collections."""
 
 import subprocess
@@ -82,7 +83,9 @@ def test_b2():
 
 
 def test_b3():
-    assert conftest.full_collections() == 2  # test_a2 ended the module fixture again
+    # test_c2's own reading, the collection after it (it had frozen test_c2's objects), test_a2's module fixture
+    assert conftest.full_collections() == 4
+    assert sys.modules["test_c"].HELD["read"]() is None, "what a test held when it read memory stayed frozen after it"
     assert sys.modules["test_a"].HELD["cycle"]() is None
 '''
 
@@ -113,7 +116,13 @@ def test_c1(model):
 
 
 def test_c2():
-    assert conftest.full_collections() == 1
+    # a reading of memory inside the test: everything collected, and what the test holds frozen again
+    import stackcheck.gc_freeze as gc_freeze
+
+    value = Cycle()
+    HELD["read"] = weakref.ref(value)
+    gc_freeze.collect_everything()
+    assert conftest.full_collections() == 2
 '''
 
 
