@@ -36,18 +36,17 @@ def require_gpu(under_test: UnderTest) -> None:
     require(under_test.device.type == "cuda" and torch.cuda.is_available(), f"{under_test.device} is no CUDA device: no allocator to read")
 
 
-def settled(device: torch.device) -> int:
+def settled(device: torch.device, deferred_frees: bool = False) -> int:
     """Allocated bytes on `device` once unreachable cycles are collected (an earlier test's, or ones a step leaves):
-    what live objects hold, whenever the garbage collector last ran. Then the allocator returns the blocks of dead
-    tensors that another stream used (`record_stream`, as trl's activation offloading does for a tensor it brought
-    back on its copy stream): such a block stays counted until the allocator processes its stream's events, at a
-    later allocation or at `empty_cache`, which does (and releases cached blocks, which `memory_allocated` does not
-    count). A live tensor stays counted either way. The collection may free such tensors of any earlier test, whose
-    garbage can sit frozen until here (stackcheck.gc_freeze): on one H100, without `empty_cache` here, a load read
-    537 to 558 KiB freed during it (multimodal Gemma 3), a false failure."""
+    what live objects hold, whenever the garbage collector last ran. `deferred_frees`: also let the allocator
+    return the blocks of dead tensors that another stream used (`record_stream`, as trl's activation offloading
+    does for a tensor it brought back on its copy stream): such a block stays counted until the allocator
+    processes its stream's events, at a later allocation or at `empty_cache`, which does (and releases cached
+    blocks, which `memory_allocated` does not count). A live tensor stays counted either way."""
     collect_everything()
     torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
+    if deferred_frees:
+        torch.cuda.empty_cache()
     return allocated(device)
 
 

@@ -175,7 +175,7 @@ def test_a_training_step_frees_what_it_allocates(under_test, checkpointing):
         model.train()
         warm_up_calls = dict(calls)
         seen = scenario.CheckpointingSeen(model)
-        before = memory.settled(device)
+        before = memory.settled(device, deferred_frees=offloading)
         for step in range(STEPS):
             with offload if offloading else contextlib.nullcontext():
                 with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -194,7 +194,7 @@ def test_a_training_step_frees_what_it_allocates(under_test, checkpointing):
             elif step == 0:
                 seen.require_all()
             state = memory.held_bytes(memory.optimizer_state_tensors(optimizer), device)
-            excess.append(memory.settled(device) - before - state)
+            excess.append(memory.settled(device, deferred_frees=offloading) - before - state)
     scenario.require(all(torch.isfinite(torch.tensor(losses))), f"losses {losses}")
     scenario.require(any(not torch.equal(initial[name], p.detach().cpu()) for name, p in lora.items()), "the steps moved no LoRA tensor")
     stepped = {name: calls[name] - warm_up_calls[name] for name in owners}
