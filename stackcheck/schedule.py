@@ -24,14 +24,23 @@ does not know (new since the file was written) is expected to take what the know
 average, else its module's, else nothing; a stale file only costs balance, never a verdict: the order of tests is
 all it changes. Without xdist nothing changes.
 
+The same recording says what the tests cost the host's CPU: each test's CPU seconds (its process's and those of the
+children it waited for: a fresh process, a launch), and the host's busy core-seconds over the run (Linux's
+/proc/stat, every process on the host: rank pools and their ranks too). `python -m stackcheck.schedule PATH` then
+prints the CPU floor beside the time floor: no run on N cores ends before its busy core-seconds shared out over them.
+On a GPU host the CPU is what binds (docs/speed.md, session 16).
+
 This module is a pytest plugin (pyproject's addopts).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import resource
 import shutil
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -67,6 +76,8 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "(stackcheck.locking.run_folder): ordered after every other test but the group's first")
     if config.getoption(RECORD_OPTION) and not hasattr(config, "workerinput"):
         config.pluginmanager.register(Recorder(Path(config.getoption(RECORD_OPTION))), "stackcheck-durations")
+    if config.getoption(RECORD_OPTION):
+        config.pluginmanager.register(CpuMeter(), "stackcheck-cpu-meter")
     if loadgroup(config):
         config.stackcheck_groups = Path(tempfile.mkdtemp(prefix="stackcheck-groups-"))
 
@@ -77,6 +88,18 @@ def measured(path: Path) -> dict[str, float]:
         return {str(k): float(v) for k, v in json.loads(path.read_text())["seconds"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
+
+
+def measured_cpu(path: Path) -> tuple[dict[str, float], dict | None]:
+    """The CPU seconds per test and the host's busy core-seconds in a durations file (empty and None where it has
+    none: a file written before they were recorded, or on a host without /proc/stat)."""
+    try:
+        content = json.loads(path.read_text())
+        cpu = {str(k): float(v) for k, v in content.get("cpu_seconds", {}).items()}
+        host = content.get("host")
+        return cpu, host if isinstance(host, dict) else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}, None
 
 
 def function_of(nodeid: str) -> str:
@@ -202,25 +225,82 @@ def from_results(path: Path, lane: str = "gpu") -> dict[str, float]:
     return seconds
 
 
-def write(path: Path, seconds: dict[str, float], comment: str) -> None:
+def write(path: Path, seconds: dict[str, float], comment: str, cpu: dict[str, float] | None = None,
+          host: dict | None = None) -> None:
+    """A durations file: the seconds the order reads, and where measured, each test's CPU seconds (every test, short
+    ones too) and the host's busy core-seconds over the run."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"_comment": comment, "seconds": dict(sorted(seconds.items()))}, indent=1) + "\n")
+    content = {"_comment": comment, "seconds": dict(sorted(seconds.items()))}
+    if cpu:
+        content["cpu_seconds"] = dict(sorted(cpu.items()))
+    if host:
+        content["host"] = host
+    path.write_text(json.dumps(content, indent=1) + "\n")
+
+
+# A test's CPU seconds, on its teardown report (the process that ran it measures; the one that records reads).
+CPU_PROPERTY = "stackcheck_cpu_seconds"
+
+
+def cpu_seconds() -> float:
+    """This process's CPU seconds and those of the children it has waited for."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def host_busy() -> tuple[float, float] | None:
+    """(core-seconds the host's CPUs were busy since boot, wall seconds now) from Linux's /proc/stat; None elsewhere."""
+    try:
+        fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), time.monotonic()
+
+
+class CpuMeter:
+    """In the process that runs the tests: each test's CPU seconds, from its start to its teardown's report."""
+
+    def __init__(self):
+        self.started: dict[str, float] = {}
+
+    def pytest_runtest_logstart(self, nodeid: str, location) -> None:
+        self.started[nodeid] = cpu_seconds()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        report = yield
+        if call.when == "teardown" and item.nodeid in self.started:
+            report.user_properties.append((CPU_PROPERTY, round(cpu_seconds() - self.started.pop(item.nodeid), 3)))
+        return report
 
 
 class Recorder:
-    """Adds up each test's phases, in the process that sees every report (the controller, or a plain run)."""
+    """Adds up each test's phases and its CPU seconds, in the process that sees every report (the controller, or a
+    plain run), and the host's busy core-seconds from the session's start to its end."""
 
     def __init__(self, path: Path):
         self.path = path
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = {}
+        self.host_start = host_busy()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] += report.duration
+        cpu = dict(report.user_properties).get(CPU_PROPERTY)
+        if isinstance(cpu, (int, float)):
+            self.cpu[report.nodeid] = cpu
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         kept = {nodeid: round(seconds, 1) for nodeid, seconds in self.seconds.items() if seconds >= RECORD_FROM_SECONDS}
+        end = host_busy()
+        host = None
+        if self.host_start and end:
+            host = {"cores": os.cpu_count(), "wall_seconds": round(end[1] - self.host_start[1], 1),
+                    "busy_core_seconds": round(end[0] - self.host_start[0], 1)}
         write(self.path, kept, "seconds per test (setup + call + teardown) of one measured run: "
-                               "the order a parallel run hands tests out in (stackcheck.schedule)")
+                               "the order a parallel run hands tests out in (stackcheck.schedule)",
+              cpu={nodeid: round(value, 2) for nodeid, value in self.cpu.items()}, host=host)
 
 
 # ------------------------------------------------------------------------------------------- where the time goes
@@ -236,9 +316,11 @@ def makespan(seconds: list[float], workers: int) -> float:
     return max(free_at)
 
 
-def breakdown(seconds: dict[str, float], workers: int, top: int = 10) -> str:
+def breakdown(seconds: dict[str, float], workers: int, top: int = 10, cpu: dict[str, float] | None = None,
+              host: dict | None = None) -> str:
     """A recorded run's test-seconds by folder and by module, its longest tests, and the floor of a run on `workers`
-    workers: no schedule finishes before its longest test, nor before the test-seconds shared out evenly."""
+    workers: no schedule finishes before its longest test, nor before the test-seconds shared out evenly. Where the
+    run measured CPU: the tests' CPU seconds, the host's busy core-seconds, and the floor the cores set."""
     total = sum(seconds.values())
     by_folder, by_module = defaultdict(float), defaultdict(float)
     for nodeid, value in seconds.items():
@@ -247,8 +329,16 @@ def breakdown(seconds: dict[str, float], workers: int, top: int = 10) -> str:
     longest = sorted(seconds.items(), key=lambda item: -item[1])
     floor = max(longest[0][1] if longest else 0.0, total / workers)
     lines = [f"{len(seconds)} tests over {RECORD_FROM_SECONDS} s, {total:.0f} test-seconds; floor on {workers} workers: {floor:.0f} s",
-             f"longest first on {workers} workers (simulated, start-up left out): {makespan(list(seconds.values()), workers):.0f} s",
-             "", "by folder:"]
+             f"longest first on {workers} workers (simulated, start-up left out): {makespan(list(seconds.values()), workers):.0f} s"]
+    if cpu:
+        spent = sum(cpu.values())
+        lines.append(f"CPU: {spent:.0f} core-seconds in the tests' processes and the children they waited for ({len(cpu)} tests); "
+                     f"shared out over {workers} cores: {spent / workers:.0f} s")
+    if host and host.get("cores") and host.get("wall_seconds"):
+        busy, wall, cores = host["busy_core_seconds"], host["wall_seconds"], host["cores"]
+        lines.append(f"host: {busy:.0f} core-seconds busy over the run's {wall:.0f} s on {cores} cores ({busy / (wall * cores):.0%}, "
+                     f"every process on it); no run of this work on {cores} cores ends before {busy / cores:.0f} s")
+    lines += ["", "by folder:"]
     lines += [f"  {value:7.0f} s {100 * value / total:5.1f}%  {name}" for name, value in sorted(by_folder.items(), key=lambda i: -i[1])]
     lines += ["", f"the {top} costliest modules:"]
     lines += [f"  {value:7.0f} s  {name}" for name, value in sorted(by_module.items(), key=lambda i: -i[1])[:top]]
@@ -279,11 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.write:
             write(args.write, known, "seconds per GPU-lane cell of a GPU run's results, the longest over its sets: the order a "
                                      "parallel GPU run hands tests out in (stackcheck.schedule)")
+        cpu, host = None, None
     else:
-        known = measured(args.path)
+        known, cpu, host = measured(args.path), *measured_cpu(args.path)
     if not known:
         parser.error(f"{args.path}: no durations file (write one with {RECORD_OPTION}=PATH)")
-    print(breakdown(known, max(args.workers, 1)))
+    print(breakdown(known, max(args.workers, 1), cpu=cpu, host=host))
     return 0
 
 

@@ -180,3 +180,56 @@ def test_gpu_durations_come_from_a_results_files_gpu_cells(tmp_path):
     assert schedule.from_results(tmp_path / "matrix.json") == {"t.py::a[gpu-x]": 20.0}
     committed = schedule.measured(schedule.GPU_DURATIONS_FILE)
     assert committed and all("[gpu" in nodeid for nodeid in committed)
+
+
+CPU_PROBE = '''
+import subprocess
+import sys
+import time
+
+
+def burn(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_burns_in_its_process():
+    burn(0.6)
+
+
+def test_burns_in_a_child():
+    subprocess.run([sys.executable, "-c", "import time\\nend = time.process_time() + 0.6\\nwhile time.process_time() < end: pass"], check=True)
+
+
+def test_sleeps():
+    time.sleep(0.6)
+'''
+
+
+def test_a_recorded_run_measures_each_tests_cpu_and_the_hosts(tmp_path):
+    """Real xdist, two workers: each test's CPU seconds are its worker's and its waited-for children's (a fresh
+    process's burn counts, a sleep does not), the host's busy core-seconds cover the run, and the breakdown prints
+    the CPU floor."""
+    (tmp_path / "test_cpu.py").write_text(CPU_PROBE)
+    recorded = tmp_path / "recorded.json"
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p stackcheck.schedule\n")
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path),
+         "-n", "2", f"--stackcheck-record-durations={recorded}", str(tmp_path / "test_cpu.py")],
+        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), check=True, capture_output=True)
+    cpu, host = schedule.measured_cpu(recorded)
+    assert cpu["test_cpu.py::test_burns_in_its_process"] >= 0.5, cpu
+    assert cpu["test_cpu.py::test_burns_in_a_child"] >= 0.5, cpu
+    assert cpu["test_cpu.py::test_sleeps"] < 0.3, cpu
+    if Path("/proc/stat").is_file():
+        assert host["cores"] == os.cpu_count() and host["wall_seconds"] > 0 and host["busy_core_seconds"] >= 1.0, host
+    text = schedule.breakdown(schedule.measured(recorded), workers=2, cpu=cpu, host=host)
+    assert "core-seconds in the tests' processes and the children they waited for (3 tests)" in text, text
+
+
+def test_the_breakdown_gives_the_floor_the_cores_set():
+    text = schedule.breakdown({"t.py::a": 10.0}, workers=4, cpu={"t.py::a": 8.0, "t.py::b": 0.2},
+                              host={"cores": 4, "wall_seconds": 20.0, "busy_core_seconds": 60.0})
+    assert "CPU: 8 core-seconds in the tests' processes and the children they waited for (2 tests); shared out over 4 cores: 2 s" in text
+    assert "host: 60 core-seconds busy over the run's 20 s on 4 cores (75%, every process on it); no run of this work on 4 cores ends before 15 s" in text
