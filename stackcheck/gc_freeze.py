@@ -2,9 +2,9 @@
 turns it off, and with it the collection between tests): the garbage collection between tests, cheap, after the
 libraries' process-wide state is reset (stackcheck.isolation).
 
-Every test ends with a full garbage collection (and CUDA's cache emptied), so that what a test left in reference
-cycles (a model, its CUDA tensors, a library's weakly referenced registration) is gone before the next one starts.
-A full collection walks every tracked object, and torch, transformers, peft and bitsandbytes make hundreds of
+Every test ends with a garbage collection (and CUDA's cache emptied), so that what a test left in reference cycles
+(a model, its CUDA tensors, a library's weakly referenced registration) is gone before the next one starts. A full
+collection walks every tracked object, and torch, transformers, peft and bitsandbytes make hundreds of
 thousands at import, many of them lazily, inside the first tests of a family. So what lives on is frozen out of the
 collector's reach (`gc.freeze`):
 - after collection: what import and collection made (the CPU lane's teardowns on one set fell from 8.9 s to
