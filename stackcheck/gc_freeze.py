@@ -84,6 +84,20 @@ def _empty_cuda_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def _end_of_test(full: bool) -> None:
+    """What every test ends with: the libraries' process-wide state reset (what the test left there becomes garbage
+    here), then a collection of everything (`full`) or of what was made since the last freeze, the survivors frozen,
+    and CUDA's cache emptied."""
+    reset_libraries()
+    if full:
+        collect_everything()
+    else:
+        gc.collect()
+        gc.freeze()
+    _REFROZE["inside_a_test"] = False
+    _empty_cuda_cache()
+
+
 @pytest.hookimpl(wrapper=True, trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     # A host with a CUDA device: after every fixture of the test, and those of its module when it is the last of a
@@ -91,15 +105,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     result = yield
     if _cuda_host():
         item.stash[COLLECTED_IN_TEARDOWN] = True
-        reset_libraries()  # what the test left in accelerate's and transformers' process-wide state becomes garbage here
-        if nextitem is None or nextitem.path != item.path:
-            collect_everything()
-        else:
-            gc.collect()
-            gc.freeze()
-        _REFROZE["inside_a_test"] = False
         item.session.stash[WIDER_FIXTURE_ENDED] = False
-        _empty_cuda_cache()
+        _end_of_test(full=nextitem is None or nextitem.path != item.path)
     return result
 
 
@@ -109,15 +116,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     # next test is elsewhere) and after pytest has let go of its fixtures' values (item.funcargs, released once the
     # teardown hooks have run): what they held in cycles is garbage now, not frozen as a survivor.
     result = yield
-    if item.stash.get(COLLECTED_IN_TEARDOWN, False):
-        return result
-    reset_libraries()
-    if nextitem is None or item.session.stash.get(WIDER_FIXTURE_ENDED, False) or _REFROZE["inside_a_test"]:
+    if not item.stash.get(COLLECTED_IN_TEARDOWN, False):
+        full = nextitem is None or item.session.stash.get(WIDER_FIXTURE_ENDED, False) or _REFROZE["inside_a_test"]
         item.session.stash[WIDER_FIXTURE_ENDED] = False
-        collect_everything()
-        _REFROZE["inside_a_test"] = False
-    else:
-        gc.collect()
-        gc.freeze()
-    _empty_cuda_cache()
+        _end_of_test(full)
     return result
