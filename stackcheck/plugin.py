@@ -24,7 +24,8 @@ CUDA_VISIBLE_DEVICES is the host's list rotated by k (`worker_gpus`), set before
 CUDA. One-GPU cells (`cuda:0`, a world-size-1 job's rank) spread round robin over the GPUs, and a cell that needs
 k GPUs (`gpus(k)`, a `ws2` job, whose ranks inherit the worker's list) gets k of them, as without xdist. Each worker
 keeps to its share of the CPU cores (torch threads, and the processes torch.compile's inductor compiles in: none
-beyond the worker with one core each), unless OMP_NUM_THREADS (TORCHINDUCTOR_COMPILE_THREADS) says otherwise.
+beyond the worker with one core each), unless OMP_NUM_THREADS (TORCHINDUCTOR_COMPILE_THREADS) says otherwise, and
+waits for its GPUs asleep rather than spinning a core (stackcheck.gpu_wait).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from stackcheck import exchange, hostinfo, results, scenario
+from stackcheck import exchange, gpu_wait, hostinfo, results, scenario
 from stackcheck.core.cell import LOST, Cell, detail_of, lane_of
 from stackcheck.distributed import pool as rank_pool
 from stackcheck.distributed.cells import Ranks, pool_group
@@ -121,6 +122,8 @@ def pytest_configure(config: pytest.Config) -> None:
         # one process per core in every worker that compiles: on one H100's 16 cores the GPU lane of cached_decoding,
         # device_memory, qlora_step and lora_gradients took 72.1 s with the pools and 64.3 s compiling in the worker.
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(workerinput[WORKER_THREADS_KEY]))
+    if int(workerinput.get("workercount", 1)) > 1:
+        gpu_wait.for_a_shared_host()  # its GPUs' waits asleep, for the worker and what it starts (stackcheck.gpu_wait)
     try:
         config.stackcheck_ledger = Ledger()
     except LedgerError as exc:
@@ -232,10 +235,10 @@ def adapter_exchange(request: pytest.FixtureRequest, arch) -> exchange.AdapterEx
 
 
 @pytest.fixture
-def ranks(request: pytest.FixtureRequest, lane: str, tmp_path: Path) -> Ranks:
+def ranks(request: pytest.FixtureRequest, lane: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Ranks:
     """Launches the test's distributed job (stackcheck.distributed): `ranks("module:function", world_size,
     engine)`. Each rank's outcome goes into the cell; a rank that did not pass fails the test with all of them."""
-    return Ranks(request.node, lane, tmp_path)
+    return Ranks(request.node, lane, tmp_path, tmp_path_factory.getbasetemp() / "ranks-shared")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -k/-m deselect: the ledger is checked against everything collected

@@ -12,7 +12,9 @@ A cell's CPU variant (two gloo ranks) is one of three kinds:
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -30,10 +32,7 @@ DEFAULT_TIMEOUT = 180.0
 # STACKCHECK_DIST_CPU=all: the CPU lane also runs the cells left out of the default run for their cost.
 CPU_SELECTION_ENV = "STACKCHECK_DIST_CPU"
 # `@pytest.mark.ranks_engine(ENGINE)` names the engine a test launches where it is not the test's `engine` parameter;
-# ENGINE is a name, or a function of the test's parameters that gives it. `own_pool=True`: each cell passes engine
-# options of its own (a DeepSpeed config file per cell), so no two cells share a pool and none is held to another's
-# worker (grouped, engine_accumulation's 12 one-GPU cells ran one after another, each starting its own pool: 150 s of
-# one worker, the critical path of a set on one H100).
+# ENGINE is a name, or a function of the test's parameters that gives it.
 ENGINE_MARK = "ranks_engine"
 
 
@@ -50,8 +49,6 @@ def pool_group(item: pytest.Item) -> str | None:
     if lane == "cpu" and world_size != CPU_WORLD_SIZE:
         return None
     mark = item.get_closest_marker(ENGINE_MARK)
-    if mark and mark.kwargs.get("own_pool"):
-        return None
     engine = (mark.args[0](params) if callable(mark.args[0]) else mark.args[0]) if mark else params.get("engine")
     return pool.group(engine, world_size, lane) if engine else None
 
@@ -67,8 +64,24 @@ def every_cpu_variant() -> bool:
 class Ranks:
     """Launches one job for a cell, and leaves every rank's outcome on the test item for the plugin to record."""
 
-    def __init__(self, node: pytest.Item, lane: str, workdir: Path):
-        self.node, self.lane, self.workdir = node, lane, workdir
+    def __init__(self, node: pytest.Item, lane: str, workdir: Path, shared: Path):
+        self.node, self.lane, self.workdir, self.shared = node, lane, workdir, shared
+
+    def deepspeed_config(self, config: dict) -> Path:
+        """The cell's DeepSpeed JSON, written where every DeepSpeed cell of this process writes its own (SHARED), with a
+        copy in the cell's folder. `accelerate launch` passes the file's path to the ranks (ACCELERATE_DEEPSPEED_CONFIG_FILE)
+        and never reads it; the ranks' Accelerator reads it when the cell builds one. So cells of other configs launch
+        alike and share a warm pool, each reading its own config, as a launch of its own would: engine_accumulation's
+        12 one-GPU cells had started 12 pools, each rank's start-up 14 to 21 CPU-seconds on one H100 (docs/speed.md).
+        A family proves the engine it got on every rank (its stage, precision, accumulation, offload)."""
+        self.shared.mkdir(parents=True, exist_ok=True)
+        path = self.shared / "ds_config.json"
+        scratch = path.with_name(f".{path.name}.tmp")
+        scratch.write_text(json.dumps(config, indent=1))
+        scratch.replace(path)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, self.workdir / "ds_config.json")
+        return path
 
     def __call__(self, target: str, world_size: int, engine: str | None = None, timeout: float = DEFAULT_TIMEOUT,
                  gpu_only: str | None = None, cpu_costly: str | None = None, engine_options: dict | None = None,

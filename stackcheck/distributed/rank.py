@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from stackcheck import protocol
+from stackcheck import gpu_wait, protocol
 from stackcheck.distributed.outcome import RankOutcome, RankState
 from stackcheck.ledger import Failure
 
@@ -135,6 +135,7 @@ def _supervise(rank: int, worker_args: list[str], log, cell, owner: int | None =
 
 
 def work(target: str, outdir: Path) -> int:
+    gpu_wait.follow_the_worker()
     rank = rank_index()
     pid_path(outdir, rank).write_text(str(os.getpid()))
     _stacks = watch_for_stacks(outdir, rank)  # noqa: F841 - kept open for faulthandler
@@ -231,6 +232,7 @@ def pool_work(folder: Path) -> int:
     resets what a cell leaves behind. A cell whose function raised here waits for the launcher: where every rank
     raised on its own, it keeps the pool (keep_path) once each rank's `fence` found the process group whole; else it
     ends the pool, as a launched job ends after a failed rank."""
+    gpu_wait.follow_the_worker()
     rank = rank_index()
     environ, cwd = dict(os.environ), os.getcwd()
     index = 0

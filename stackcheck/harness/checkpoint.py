@@ -215,8 +215,10 @@ def resume_in_fresh_process(under_test: UnderTest, checkpoint: Path, output_dir:
 def main(argv: list[str]) -> int:
     import warnings
 
+    from stackcheck import gpu_wait
     from stackcheck.models.architectures import Architecture
 
+    gpu_wait.follow_the_worker()
     warnings.filterwarnings("ignore")
     call = json.loads(Path(argv[0]).read_text())
     under_test = UnderTest(Architecture(**call["architecture"]), torch.device(call["device"]))

@@ -6,6 +6,7 @@ Each guard launches the family's jobs on two CPU ranks: the resume guard (two jo
 runs with STACKCHECK_DIST_CPU=all only, like the cell it guards."""
 
 import importlib
+import json
 import os
 import re
 import textwrap
@@ -32,7 +33,18 @@ def break_the_ranks(monkeypatch, tmp_path, patch: str) -> None:
 
 
 def ranks_for(tmp_path) -> Ranks:
-    return Ranks(SimpleNamespace(), "cpu", tmp_path / "ranks")
+    return Ranks(SimpleNamespace(), "cpu", tmp_path / "ranks", tmp_path / "shared")
+
+
+def test_deepspeed_cells_launch_with_one_config_path_each_holding_its_own(tmp_path):
+    """Two cells of other DeepSpeed configs in one process launch with the same file (so their launches, and a warm
+    pool's key, are alike), which holds the running cell's config; each cell's folder keeps a copy of its own."""
+    first, second = Ranks(SimpleNamespace(), "gpu", tmp_path / "a", tmp_path / "shared"), Ranks(SimpleNamespace(), "gpu", tmp_path / "b", tmp_path / "shared")
+    path = first.deepspeed_config({"zero_optimization": {"stage": 1}})
+    assert json.loads(path.read_text()) == {"zero_optimization": {"stage": 1}}
+    assert second.deepspeed_config({"zero_optimization": {"stage": 2}}) == path
+    assert json.loads(path.read_text()) == {"zero_optimization": {"stage": 2}}
+    assert [json.loads((tmp_path / cell / "ds_config.json").read_text())["zero_optimization"]["stage"] for cell in "ab"] == [1, 2]
 
 
 def failures(excinfo) -> list[str]:
@@ -133,7 +145,7 @@ def test_a_dropped_micro_batch_fails_the_engine_accumulation_property(monkeypatc
         engine_module.DeepSpeedEngine.backward = backward
     """)
     with pytest.raises(RanksFailed) as excinfo:
-        engine_accumulation.test_accumulated_micro_batches_update_as_one_batch(ranks_for(tmp_path), 2, "z2-bf16-offload", tmp_path)
+        engine_accumulation.test_accumulated_micro_batches_update_as_one_batch(ranks_for(tmp_path), 2, "z2-bf16-offload")
     messages = failures(excinfo)
     scales = [float(m) for message in messages for m in re.findall(r"the update is (\S+) times one process's", message)]
     assert len(scales) == 2 and all(0.3 < scale < 0.95 for scale in scales), messages

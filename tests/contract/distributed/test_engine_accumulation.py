@@ -58,7 +58,6 @@ runs them): a cell takes 25 s on 2 shared cores and 40 s under a load of 5 (ZeRO
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -226,12 +225,11 @@ def ranks_spread(update: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize("cell", list(ENGINES))
-@pytest.mark.ranks_engine("zero", own_pool=True)  # a DeepSpeed config file of each cell's own
+@pytest.mark.ranks_engine("zero")
 @WORLD_SIZES
-def test_accumulated_micro_batches_update_as_one_batch(ranks, world_size, cell, tmp_path):
+def test_accumulated_micro_batches_update_as_one_batch(ranks, world_size, cell):
     tiny.base_checkpoint(architectures.builtin()[ARCHITECTURE])  # built once here, before the ranks read it
     engine = ENGINES[cell]
-    config = tmp_path / "ds_config.json"
-    config.write_text(json.dumps(engine.deepspeed_config(), indent=1))
+    config = ranks.deepspeed_config(engine.deepspeed_config())  # the one path this worker's DeepSpeed cells launch with
     ranks(f"{MODULE}:accumulated_step", world_size, engine="zero", cpu_costly=None if cell == DEFAULT_CPU_CELL else CPU_COSTLY,
           engine_options={"deepspeed_config_file": str(config), "zero3_init_flag": engine.stage == 3}, cell=cell, launched=world_size)

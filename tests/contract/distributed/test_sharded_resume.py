@@ -56,7 +56,6 @@ run for their cost (two jobs a cell, 60 to 90 s of CI's 2 cores each; ZeRO-0 wit
 accelerate makes the Trainer's FSDP a DDP job.
 """
 
-import json
 from pathlib import Path
 
 import pytest
@@ -250,8 +249,7 @@ def test_a_resumed_job_continues_the_uninterrupted_one(ranks, world_size, shardi
     launch = dict(engine=engine, gpu_only=None if engine.startswith("zero") else TRAINER_FSDP_GPU_ONLY, cpu_costly=CPU_COSTLY,
                   engine_options={"fsdp_state_dict_type": state_dict_type} if state_dict_type else None)
     if engine == "zero0":
-        config = tmp_path / "ds_config.json"
-        config.write_text(json.dumps(ZERO0_BF16, indent=1))
+        config = ranks.deepspeed_config(ZERO0_BF16)
         launch.update(engine="zero", engine_options={"deepspeed_config_file": str(config), "zero3_init_flag": False})
     ranks(f"{MODULE}:uninterrupted", world_size, **launch, **call)
     ranks.workdir = tmp_path / "resumed"

@@ -1,0 +1,63 @@
+"""How the run's processes wait for a GPU (stackcheck.gpu_wait): each visible device's primary context set to block,
+by the worker among several and by what it starts, and nothing where the user keeps CUDA's spinning or there is no
+driver. A stand-in for the CUDA driver's four calls records what the module asks of it (this machine has none)."""
+
+import ctypes
+
+import pytest
+
+from stackcheck import gpu_wait
+
+
+class Driver:
+    """libcuda's cuInit, cuDeviceGetCount, cuDeviceGet and cuDevicePrimaryCtxSetFlags_v2, recording the flags set."""
+
+    def __init__(self, devices: int):
+        self.devices, self.flags = devices, {}
+
+    def cuInit(self, flags):
+        return 0
+
+    def cuDeviceGetCount(self, count):
+        ctypes.cast(count, ctypes.POINTER(ctypes.c_int)).contents.value = self.devices
+        return 0
+
+    def cuDeviceGet(self, device, ordinal):
+        ctypes.cast(device, ctypes.POINTER(ctypes.c_int)).contents.value = 100 + ordinal
+        return 0
+
+    def cuDevicePrimaryCtxSetFlags_v2(self, device, flags):
+        self.flags[device.value] = flags
+        return 0
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    fake = Driver(devices=2)
+    monkeypatch.setattr(gpu_wait, "_driver", lambda: fake)
+    monkeypatch.setenv(gpu_wait.WAIT_VARIABLE, "")  # restored after the test, whatever the module sets
+    monkeypatch.delenv(gpu_wait.WAIT_VARIABLE)
+    return fake
+
+
+def test_a_worker_among_several_blocks_on_every_device_and_its_processes_follow(driver, monkeypatch):
+    assert gpu_wait.for_a_shared_host() == 2
+    assert driver.flags == {100: gpu_wait.CU_CTX_SCHED_BLOCKING_SYNC, 101: gpu_wait.CU_CTX_SCHED_BLOCKING_SYNC}
+    assert gpu_wait.os.environ[gpu_wait.WAIT_VARIABLE] == gpu_wait.BLOCK
+    driver.flags.clear()
+    assert gpu_wait.follow_the_worker() == 2 and len(driver.flags) == 2
+
+
+def test_spin_kept_where_asked_and_a_lone_process_follows_no_worker(driver, monkeypatch):
+    assert gpu_wait.follow_the_worker() == 0  # no worker said so
+    monkeypatch.setenv(gpu_wait.WAIT_VARIABLE, gpu_wait.SPIN)
+    assert gpu_wait.for_a_shared_host() == 0
+    assert gpu_wait.follow_the_worker() == 0
+    assert driver.flags == {}
+
+
+def test_no_driver_no_device(monkeypatch):
+    monkeypatch.setattr(gpu_wait, "_driver", lambda: None)
+    assert gpu_wait.block_waits() == 0
+    monkeypatch.setattr(gpu_wait, "_driver", lambda: Driver(devices=0))
+    assert gpu_wait.block_waits() == 0
