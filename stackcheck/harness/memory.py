@@ -11,6 +11,7 @@ storages, each rounded up to a block (`allocator_bytes`), and a 4-bit layer's sh
 from __future__ import annotations
 
 import math
+import time
 from contextlib import contextmanager
 
 import torch
@@ -36,17 +37,9 @@ def require_gpu(under_test: UnderTest) -> None:
     require(under_test.device.type == "cuda" and torch.cuda.is_available(), f"{under_test.device} is no CUDA device: no allocator to read")
 
 
-def finish_earlier_backwards(device: torch.device) -> None:
-    """Let autograd's worker thread for `device` finish what it still does for a backward that has returned. A CUDA
-    backward runs on that thread, which can free part of the graph's memory after the caller has gone on: on one H100
-    under 16 xdist workers, a reading taken at the start of a device_memory test fell by 537 KiB (549888 bytes, twice
-    that once) while the test's thread slept 0.3 s, before 3 of 54 loads in three runs; such a drop during the next 4-bit load
-    reads as a load that holds less than its model, or peaks far above it. The thread takes its work in order, so a
-    backward of empty tensors on the device returns only after it; it allocates nothing."""
-    if device.type != "cuda":
-        return
-    empty = torch.zeros(0, device=device, requires_grad=True)
-    torch.autograd.backward(empty * 2, grad_tensors=torch.zeros(0, device=device))
+# How long a reading must stay the same to count as settled, and how many times it is taken again at most.
+QUIET_SECONDS = 0.3
+QUIET_TRIES = 4
 
 
 def settled(device: torch.device, deferred_frees: bool = False) -> int:
@@ -55,14 +48,26 @@ def settled(device: torch.device, deferred_frees: bool = False) -> int:
     return the blocks of dead tensors that another stream used (`record_stream`, as trl's activation offloading
     does for a tensor it brought back on its copy stream): such a block stays counted until the allocator
     processes its stream's events, at a later allocation or at `empty_cache`, which does (and releases cached
-    blocks, which `memory_allocated` does not count). A live tensor stays counted either way. First autograd's
-    worker thread finishes what an earlier backward left it (`finish_earlier_backwards`)."""
-    finish_earlier_backwards(device)
-    collect_everything()
-    torch.cuda.synchronize(device)
-    if deferred_frees:
-        torch.cuda.empty_cache()
-    return allocated(device)
+    blocks, which `memory_allocated` does not count). A live tensor stays counted either way.
+
+    Settled means it stays so for QUIET_SECONDS (taken again, at most QUIET_TRIES times, while it falls): on one
+    H100 under 16 xdist workers, a device_memory reading fell by 537 KiB (549888 bytes; twice that once) within 0.3 s
+    while the test's thread only slept, 9 times in 2592 readings over six runs (no Python-visible CUDA tensor alive
+    at a reading died during the 4-bit load after it, in 108 loads; a backward of empty tensors before the reading,
+    to let autograd's worker thread finish, changed nothing in 1296 readings). Such a drop during the next 4-bit load read as a load holding less
+    than its model, or peaking far above it: a false failure. What frees it is not found (docs/speed.md, session 17).
+    A leak does not fall, so waiting for the count to stop falling hides none."""
+    reading = None
+    for _ in range(QUIET_TRIES):
+        collect_everything()
+        torch.cuda.synchronize(device)
+        if deferred_frees:
+            torch.cuda.empty_cache()
+        previous, reading = reading, allocated(device)
+        if previous is not None and reading == previous:
+            break
+        time.sleep(QUIET_SECONDS)
+    return reading
 
 
 def tensor_storages(tensors, device: torch.device) -> dict[int, int]:
