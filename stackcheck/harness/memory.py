@@ -50,13 +50,13 @@ def settled(device: torch.device, deferred_frees: bool = False) -> int:
     processes its stream's events, at a later allocation or at `empty_cache`, which does (and releases cached
     blocks, which `memory_allocated` does not count). A live tensor stays counted either way.
 
-    Settled means it stays so for QUIET_SECONDS (taken again without another collection, at most QUIET_TRIES times,
-    while it falls): on one
-    H100 under 16 xdist workers, a device_memory reading fell by 537 KiB (549888 bytes; twice that once) within 0.3 s
-    while the test's thread only slept, 9 times in 2592 readings over six runs (no Python-visible CUDA tensor alive
-    at a reading died during the 4-bit load after it, in 108 loads; a backward of empty tensors before the reading,
-    to let autograd's worker thread finish, changed nothing in 1296 readings). Such a drop during the next 4-bit load read as a load holding less
-    than its model, or peaking far above it: a false failure. What frees it is not found (docs/speed.md, session 17).
+    Settled means it stays so for QUIET_SECONDS (taken again without another collection, at most QUIET_TRIES
+    times, while it falls): on one H100 under 16 xdist workers, a device_memory reading fell by 537 KiB (549888
+    bytes; twice that once) within 0.3 s while the test's thread only slept, 9 times in 2592 readings over six runs
+    (no Python-visible CUDA tensor alive at a reading died during the 4-bit load after it, in 108 loads; a backward
+    of empty tensors before the reading, to let autograd's worker thread finish, changed nothing in 1296 readings).
+    Such a drop during the next 4-bit load read as a load holding less than its model, or peaking far above it: a
+    false failure. What frees it is not found (docs/speed.md, session 17).
     A leak does not fall, so waiting for the count to stop falling hides none."""
     collect_everything()
     reading = None
