@@ -26,8 +26,11 @@ collector's reach (`gc.freeze`):
   - with a CUDA device: the last test of a run of its module's tests (the next test is another module's, or none),
     in the test's teardown, as in the GPU runs that validated device_memory. The flow above, on one H100, made
     device_memory read memory freed during a 4-bit load in 1 to 5 cells a set (537 and 558 KiB on the loaded
-    model's count; peaks of 1.6 to 7.3 times the allowance; a step's 247 KiB). This flow read none in any GPU run.
-    The cause is not found; until it is, GPU hosts keep this flow.
+    model's count; peaks of 1.6 to 7.3 times the allowance; a step's 247 KiB). This flow read none in any whole-set
+    GPU run (one in a GPU-lane subset of session 17, before memory readings waited for frees outside the test's thread).
+    The cause is not found; until it is, GPU hosts keep this flow. Tried again in session 17, with memory readings
+    that wait until they stop falling (stackcheck.harness.memory.settled): 2 such cells on latest and 6 on seed (150
+    to 558 KiB below the model, a step's 247 and 537 KiB), so those waits do not cover this flow's drops.
 """
 
 from __future__ import annotations
