@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import warnings
 from pathlib import Path
 
@@ -74,14 +73,11 @@ class Ranks:
         alike and share a warm pool, each reading its own config, as a launch of its own would: engine_accumulation's
         12 one-GPU cells had started 12 pools, each rank's start-up 14 to 21 CPU-seconds on one H100 (docs/speed.md).
         A family proves the engine it got on every rank (its stage, precision, accumulation, offload)."""
-        self.shared.mkdir(parents=True, exist_ok=True)
-        path = self.shared / "ds_config.json"
-        scratch = path.with_name(f".{path.name}.tmp")
-        scratch.write_text(json.dumps(config, indent=1))
-        scratch.replace(path)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, self.workdir / "ds_config.json")
-        return path
+        text = json.dumps(config, indent=1)  # a process's cells run one after another: no rank reads it while it changes
+        for folder in (self.shared, self.workdir):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "ds_config.json").write_text(text)
+        return self.shared / "ds_config.json"
 
     def __call__(self, target: str, world_size: int, engine: str | None = None, timeout: float = DEFAULT_TIMEOUT,
                  gpu_only: str | None = None, cpu_costly: str | None = None, engine_options: dict | None = None,
