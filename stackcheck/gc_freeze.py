@@ -14,23 +14,22 @@ collector's reach (`gc.freeze`):
   modules, 0.09 to 0.18 s per collection before (45 s of a 107 s run, the objects lazily imported in the first tests
   never frozen), 0.000 s after (docs/speed.md);
 - an object that survived one test and dies later in a cycle (a module-scoped fixture's model) is frozen by then,
-  so some tests end with a collection of everything (`collect_everything`), as does every reading of memory that
-  asks for one (stackcheck.harness.memory.settled). Which ones depends on the host:
-  - without a CUDA device: a test whose teardown finalized a fixture wider than the function's (module, class,
-    package or session scope), a test that collected everything itself (what it held was frozen again), and the
-    run's last. The collection runs once pytest has let go of the test's fixtures' values, so what they held in
-    cycles is garbage then, not a frozen survivor. Under xdist, longest first, a worker's next test is nearly always
-    of another module, and a collection at each change of module walked everything after nearly every test (0.1 s
-    each: 68 of a worker's 69 seconds over 689 skipped cells on this project's 2-core machine; `matrix` for seed
-    and latest fell from 312 s to 234 s, every verdict the same);
-  - with a CUDA device: the last test of a run of its module's tests (the next test is another module's, or none),
-    in the test's teardown, as in the GPU runs that validated device_memory. The flow above, on one H100, made
-    device_memory read memory freed during a 4-bit load in 1 to 5 cells a set (537 and 558 KiB on the loaded
-    model's count; peaks of 1.6 to 7.3 times the allowance; a step's 247 KiB). This flow read none in any whole-set
-    GPU run (one in a GPU-lane subset of session 17, before memory readings waited for frees outside the test's thread).
-    The cause is not found; until it is, GPU hosts keep this flow. Tried again in session 17, with memory readings
-    that wait until they stop falling (stackcheck.harness.memory.settled): 2 such cells on latest and 6 on seed (150
-    to 558 KiB below the model, a step's 247 and 537 KiB), so those waits do not cover this flow's drops.
+  so some tests end with a collection of everything (`collect_everything`): a test whose teardown finalized a fixture
+  wider than the function's (module, class, package or session scope), a test that collected everything itself (what
+  it held was frozen again), the run's last, and the test before one marked `reads_device_memory` (`MEMORY_MARK`:
+  device_memory's cells, which count the CUDA allocator's bytes). The collection runs once pytest has let go of the
+  test's fixtures' values, so what they held in cycles is garbage then, not a frozen survivor. Under xdist, longest
+  first, a worker's next test is nearly always of another module, and a collection at each change of module walked
+  everything after nearly every test (0.1 s each: 68 of a worker's 69 seconds over 689 skipped cells on this
+  project's 2-core machine; `matrix` for seed and latest fell from 312 s to 234 s, every verdict the same; on one
+  H100 0.4 s each, some 240 to 390 CPU-seconds a set, docs/speed.md).
+- Before a test that reads the allocator (on a host with a CUDA device), everything is collected and CUDA's cache emptied, so that its readings
+  start where every earlier test's garbage, frozen or not, is gone (its own readings then collect only what it made:
+  stackcheck.harness.memory.settled). Sessions 16 and 17 ran GPU hosts with a collection of everything at each
+  change of module instead, because device_memory read memory freed during a 4-bit load (150 to 558 KiB, 1 to 6
+  cells a set) when every reading collected everything itself and the collection between tests did not: what an
+  earlier test left frozen was then collected inside the reading, and something it held freed memory later, outside
+  the test's thread (what, is not found: docs/speed.md, session 17).
 """
 
 from __future__ import annotations
@@ -65,15 +64,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 # Set when a fixture wider than a function's is finalized, cleared by the collection of everything.
 WIDER_FIXTURE_ENDED = pytest.StashKey[bool]()
+# The mark (registered in pyproject.toml) of a test that reads the CUDA allocator's counts: the test before it ends
+# with everything collected.
+MEMORY_MARK = "reads_device_memory"
 
 
 def pytest_fixture_post_finalizer(fixturedef, request) -> None:
     if fixturedef.scope != "function":
         request.node.session.stash[WIDER_FIXTURE_ENDED] = True
-
-
-# Set on a test whose teardown did the collection (a host with a CUDA device).
-COLLECTED_IN_TEARDOWN = pytest.StashKey[bool]()
 
 
 def _cuda_host() -> bool:
@@ -102,25 +100,13 @@ def _end_of_test(full: bool) -> None:
 
 
 @pytest.hookimpl(wrapper=True, trylast=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
-    # A host with a CUDA device: after every fixture of the test, and those of its module when it is the last of a
-    # run of its module's tests.
-    result = yield
-    if _cuda_host():
-        item.stash[COLLECTED_IN_TEARDOWN] = True
-        item.session.stash[WIDER_FIXTURE_ENDED] = False
-        _end_of_test(full=nextitem is None or nextitem.path != item.path)
-    return result
-
-
-@pytest.hookimpl(wrapper=True, trylast=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    # Without a CUDA device: after the test's teardown (every fixture it finalizes, those of its module too where the
-    # next test is elsewhere) and after pytest has let go of its fixtures' values (item.funcargs, released once the
-    # teardown hooks have run): what they held in cycles is garbage now, not frozen as a survivor.
+    # After the test's teardown (every fixture it finalizes, those of its module too where the next test is elsewhere)
+    # and after pytest has let go of its fixtures' values (item.funcargs, released once the teardown hooks have run):
+    # what they held in cycles is garbage now, not frozen as a survivor.
     result = yield
-    if not item.stash.get(COLLECTED_IN_TEARDOWN, False):
-        full = nextitem is None or item.session.stash.get(WIDER_FIXTURE_ENDED, False) or _REFROZE["inside_a_test"]
-        item.session.stash[WIDER_FIXTURE_ENDED] = False
-        _end_of_test(full)
+    full = (nextitem is None or item.session.stash.get(WIDER_FIXTURE_ENDED, False) or _REFROZE["inside_a_test"]
+            or (nextitem.get_closest_marker(MEMORY_MARK) is not None and _cuda_host()))
+    item.session.stash[WIDER_FIXTURE_ENDED] = False
+    _end_of_test(full)
     return result

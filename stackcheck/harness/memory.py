@@ -10,13 +10,13 @@ storages, each rounded up to a block (`allocator_bytes`), and a 4-bit layer's sh
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from contextlib import contextmanager
 
 import torch
 
-from stackcheck.gc_freeze import collect_everything
 from stackcheck.harness.load import linear4bit_modules, quant_state_tensors
 from stackcheck.harness.proof import require
 from stackcheck.harness.subject import UnderTest
@@ -43,8 +43,11 @@ QUIET_TRIES = 4
 
 
 def settled(device: torch.device, deferred_frees: bool = False) -> int:
-    """Allocated bytes on `device` once unreachable cycles are collected (an earlier test's, or ones a step leaves):
-    what live objects hold, whenever the garbage collector last ran. `deferred_frees`: also let the allocator
+    """Allocated bytes on `device` once the unreachable cycles the test made are collected (ones a step leaves):
+    what live objects hold. A test that reads this is marked `reads_device_memory` (stackcheck.gc_freeze.MEMORY_MARK):
+    the test before it ended with everything collected, frozen objects too, and CUDA's cache emptied, so what earlier
+    tests left is gone before its first reading, and each reading collects only what the collector has not frozen
+    (a collection of everything took some 0.4 s on one H100's workers). `deferred_frees`: also let the allocator
     return the blocks of dead tensors that another stream used (`record_stream`, as trl's activation offloading
     does for a tensor it brought back on its copy stream): such a block stays counted until the allocator
     processes its stream's events, at a later allocation or at `empty_cache`, which does (and releases cached
@@ -58,7 +61,7 @@ def settled(device: torch.device, deferred_frees: bool = False) -> int:
     Such a drop during the next 4-bit load read as a load holding less than its model, or peaking far above it: a
     false failure. What frees it is not found (docs/speed.md, session 17).
     A leak does not fall, so waiting for the count to stop falling hides none."""
-    collect_everything()
+    gc.collect()
     reading = None
     for _ in range(QUIET_TRIES):
         torch.cuda.synchronize(device)

@@ -4,8 +4,7 @@ test is nearly always of another module. And what such a fixture held in a refer
 still collected before the next test, as is what a test's own fixture held (not frozen as a survivor) and what a
 test held when it collected everything itself (stackcheck.harness.memory.settled freezes it again). A nested pytest
 run of three modules, their tests interleaved as a worker gets them, with the plugin and a count of its full
-collections. A host with a CUDA device keeps the collection at each change of module (stackcheck.gc_freeze says
-why)."""
+collections. Before a test marked `reads_device_memory`, everything is collected (stackcheck.gc_freeze says why)."""
 
 import subprocess
 import sys
@@ -27,7 +26,7 @@ def counted():
 
 
 gc_freeze.collect_everything = counted
-{host}
+gc_freeze._cuda_host = lambda: True  # a host with a CUDA device (faked: this machine may have none)
 ORDER = {order}
 
 
@@ -40,11 +39,9 @@ def full_collections() -> int:
 '''
 
 
-def conftest(order: list[str], cuda_host: bool = False) -> str:
-    """The nested run's conftest: the plugin's full collections counted, the tests run in `order`, on a host with a
-    CUDA device where `cuda_host` (faked: this machine may have none)."""
-    host = "gc_freeze._cuda_host = lambda: True  # a host with a CUDA device" if cuda_host else ""
-    return CONFTEST.format(host=host, order=repr(order))
+def conftest(order: list[str]) -> str:
+    """The nested run's conftest: the plugin's full collections counted, the tests run in `order`."""
+    return CONFTEST.format(order=repr(order))
 
 
 INTERLEAVED = ["test_a.py::test_a1", "test_b.py::test_b1", "test_c.py::test_c1", "test_b.py::test_b2", "test_c.py::test_c2",
@@ -149,31 +146,53 @@ def test_everything_is_walked_where_a_wider_fixture_ended_and_not_at_each_change
 
 
 MODULE_X = '''
+import weakref
+
 import conftest
+
+HELD = {}
+
+
+class Cycle:
+    def __init__(self):
+        self.me = self
 
 
 def test_x1():
-    assert conftest.full_collections() == 0
+    HELD["alive"] = Cycle()  # survives the test: frozen after it
+    HELD["cycle"] = weakref.ref(HELD["alive"])
 
 
 def test_x2():
-    # the teardowns of test_x1 and test_y1, each the last of a run of its module's tests
-    assert conftest.full_collections() == 2
+    del HELD["alive"]  # frozen garbage now: only a collection of everything reaches it
+    assert conftest.full_collections() == 0
+
+
+def test_x3():
+    assert conftest.full_collections() == 1, "the test after one that reads memory walked everything"
 '''
 
 MODULE_Y = '''
+import sys
+
+import pytest
+
 import conftest
 
 
+@pytest.mark.reads_device_memory
 def test_y1():
-    assert conftest.full_collections() == 1
+    assert conftest.full_collections() == 1, "the test before one that reads memory did not walk everything"
+    assert sys.modules["test_x"].HELD["cycle"]() is None, "an earlier test's frozen garbage outlived the collection before a memory reading"
 '''
 
 
-def test_a_cuda_host_walks_everything_at_each_change_of_module(tmp_path):
-    for name, text in (("conftest.py", conftest(["test_x.py::test_x1", "test_y.py::test_y1", "test_x.py::test_x2"], cuda_host=True)), ("test_x.py", MODULE_X), ("test_y.py", MODULE_Y)):
+def test_a_test_that_reads_device_memory_starts_after_everything_was_collected(tmp_path):
+    order = ["test_x.py::test_x1", "test_x.py::test_x2", "test_y.py::test_y1", "test_x.py::test_x3"]
+    for name, text in (("conftest.py", conftest(order)), ("test_x.py", MODULE_X), ("test_y.py", MODULE_Y)):
         (tmp_path / name).write_text(text)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    reads_device_memory: as stackcheck's\n")
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "stackcheck.gc_freeze", "-p", "no:cacheprovider", "-p", "no:xdist",
-                          "-p", "no:randomly", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          "-p", "no:randomly", "-q", "--strict-markers"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"})
-    assert run.returncode == 0 and "3 passed" in run.stdout, textwrap.shorten(run.stdout + run.stderr, 3000)
+    assert run.returncode == 0 and "4 passed" in run.stdout, textwrap.shorten(run.stdout + run.stderr, 3000)

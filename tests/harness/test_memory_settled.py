@@ -19,7 +19,7 @@ def readings(monkeypatch):
             return taken[-1]
 
         monkeypatch.setattr(memory, "allocated", allocated)
-        monkeypatch.setattr(memory, "collect_everything", lambda: None)
+        monkeypatch.setattr(memory.gc, "collect", lambda: 0)
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
         monkeypatch.setattr(memory.time, "sleep", lambda seconds: None)
         return taken

@@ -85,7 +85,7 @@ from stackcheck import scenario
 from stackcheck.harness import memory
 from stackcheck.models.tiny import NotApplicable
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.reads_device_memory]
 
 LOADER_FACTOR = 2
 FOOTPRINT_BLOCKS = 8
