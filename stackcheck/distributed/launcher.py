@@ -58,6 +58,65 @@ def engine_config(engine: str, options: dict | None = None, outdir: Path | None 
     return edited
 
 
+def options_environment(engine: str | None, options: dict | None, world_size: int, env: dict, outdir: Path) -> dict | None:
+    """What `engine_options` change in the ranks' environment, where that is all they change: the variables (name ->
+    value, None where unset) by which `accelerate launch` with the edited config (written to `outdir`, see
+    engine_config) gives its ranks another environment than with the engine's own file, while it starts them alike
+    (the same arguments for torch's launcher). {} without options; None where they change more than the environment,
+    or accelerate cannot tell (then a cell launches with its edited file as a user does).
+
+    accelerate turns an FSDP or DeepSpeed config into variables (FSDP_STATE_DICT_TYPE, FSDP_USE_ORIG_PARAMS,
+    ACCELERATE_DEEPSPEED_ZERO3_INIT, ...) that its Accelerator, FSDP and DeepSpeed plugins and transformers' loader read
+    when a script builds them, not when the rank starts: so a warm rank (stackcheck.distributed.pool) given these
+    variables for a cell runs it as a rank launched with the edited file. Both environments come from accelerate's
+    own launcher code (its argument parser, config validation and the launcher's environment), run here in `env`."""
+    if not options:
+        return {}
+    if engine is None:
+        return None
+    try:
+        base = _launch_environment(engine_config(engine), world_size, env)
+        edited = _launch_environment(engine_config(engine, options, outdir), world_size, env)
+    except Exception:  # noqa: BLE001 - another accelerate, another launcher: the cell launches as a user does
+        return None
+    if base is None or edited is None or base[1] != edited[1]:
+        return None
+    return {name: edited[0].get(name) for name in sorted(set(base[0]) | set(edited[0])) if base[0].get(name) != edited[0].get(name)}
+
+
+def _launch_environment(config: Path, world_size: int, env: dict) -> tuple[dict, tuple] | None:
+    """(the ranks' environment, torch launcher's arguments) that `accelerate launch --config_file CONFIG` gives a
+    single-node FSDP or DeepSpeed job of `world_size` ranks in `env`, from accelerate's launcher code (its
+    `launch_command` up to the start); None for another kind of launch."""
+    import torch.distributed.run as torch_run
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config), "--num_processes", str(world_size),
+                                               "--main_process_port", str(JOB_PORTS.start), "-m", rank_side.__name__, "--pool", "-"])
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        args, defaults, precision_from_config = _validate_launch_command(args)
+        if args.num_machines != 1 or args.cpu:
+            return None
+        if args.use_deepspeed:
+            fields = list(defaults.deepspeed_config.keys()) if defaults else []
+            args.deepspeed_fields_from_accelerate_config = ",".join(fields + (["mixed_precision"] if precision_from_config else []))
+            _cmd, ranks_env = prepare_deepspeed_cmd_env(args)
+        elif args.use_fsdp:
+            ranks_env = prepare_multi_gpu_env(args)
+        else:
+            return None
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    started = tuple((action.dest, repr(getattr(args, action.dest, None))) for action in torch_run.get_args_parser()._actions
+                    if action.dest != "help")
+    return ranks_env, started
+
+
 # Ports for the jobs' rendezvous, below the kernel's ephemeral range: a port the kernel hands out (port 0) is free only
 # until the launcher binds it, and every NCCL or gloo connection of a concurrent job takes ephemeral ports too. On a
 # two-GPU host under 22 xdist workers, 3 cells' ranks died at the rendezvous with "address already in use".

@@ -10,9 +10,13 @@ each as a cell's worker runs its function (the cell's call.json, rank-N.json, .p
 cell's own folder, the same outcomes and Failure signatures). Between cells the ranks keep their imported modules and
 their process group, and reset what a cell leaves behind (rank.leave_the_cell).
 
-One pool per key: everything that makes two launches differ (the interpreter, the engine and its changed options,
-the world size, the lane, the whole environment the job inherits, which names the visible devices and a guard's
-PYTHONPATH). A cell whose every rank raised on its own (a known bug often does: both ranks hit the same line) keeps
+One pool per key: everything that makes two launches differ (the interpreter, the engine, the world size, the lane,
+the whole environment the job inherits, which names the visible devices and a guard's PYTHONPATH, and the engine's
+changed options where they change more than the ranks' environment). Options that `accelerate launch` only turns
+into the ranks' variables (an FSDP state dict type, RAM-efficient loading, ZeRO-3's init flag: read when the cell
+builds its Accelerator and loads its model) run on the engine's own pool, the rank setting them for that cell
+(launcher.options_environment): on one H100 the FSDP and DeepSpeed cells of other options had started 11 one-rank
+pools of their own a set, about 14 CPU-seconds each (docs/speed.md). A cell whose every rank raised on its own (a known bug often does: both ranks hit the same line) keeps
 its pool once each rank has reset and a tiny collective found the process group whole (rank.fence). Any other cell
 that does not pass (a rank died, hung, or was stopped while another failed: every outcome exactly as `launcher` gives
 it, stacks included) tears its pool down, and the next cell of that key starts a fresh one; so does a pool whose job
@@ -144,6 +148,9 @@ def launch_once(target: str, outdir: Path, world_size: int, engine: str | None, 
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "call.json").write_text(json.dumps(kwargs or {}))
     env = launcher.job_environment(lane)
+    overlay = launcher.options_environment(engine, engine_options, world_size, env, outdir)
+    if overlay is not None:  # the options change only the ranks' environment: the engine's own pool, given it
+        engine_options = None
     key = key_of(world_size, engine, lane, engine_options, env)
     pool = _pools.get(key)
     if pool is not None and not pool.alive():
@@ -152,7 +159,7 @@ def launch_once(target: str, outdir: Path, world_size: int, engine: str | None, 
     if pool is None:
         pool = start(key, world_size, engine, lane, engine_options, env)
     _pools.move_to_end(key)
-    hand_over(pool, target, outdir)
+    hand_over(pool, target, outdir, overlay or {})
     hung_after = launcher.wait(pool.job, outdir, world_size, timeout)
     states = launcher.written_states(outdir, world_size)
     if hung_after is None and pool.alive() and len(states) == world_size:
@@ -180,11 +187,12 @@ def kept(pool: Pool) -> bool:
     return all(json.loads(path.read_text())["whole"] for path in answers) and pool.alive()
 
 
-def hand_over(pool: Pool, target: str, outdir: Path) -> None:
-    """The pool's next cell, as a file its ranks wait for (replaced atomically, so never half read)."""
+def hand_over(pool: Pool, target: str, outdir: Path, environment: dict) -> None:
+    """The pool's next cell, as a file its ranks wait for (replaced atomically, so never half read), with the
+    variables its engine options change (launcher.options_environment), which its ranks set for it alone."""
     path = rank_side.job_path(pool.folder, pool.cells)
     scratch = path.with_name(f".{path.name}.tmp")
-    scratch.write_text(json.dumps({"target": target, "outdir": str(outdir.resolve())}))
+    scratch.write_text(json.dumps({"target": target, "outdir": str(outdir.resolve()), "environment": environment}))
     scratch.replace(path)
     pool.cells += 1
 

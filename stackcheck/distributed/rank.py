@@ -246,6 +246,11 @@ def pool_work(folder: Path) -> int:
         pid_path(outdir, rank).write_text(str(os.getpid()))
         group_path(outdir, rank).write_text(str(os.getpgid(0)))
         _stacks = watch_for_stacks(outdir, rank)  # noqa: F841 - kept open for faulthandler
+        for name, value in job.get("environment", {}).items():  # what the cell's engine options change (leave_the_cell restores)
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         found = call(job["target"], outdir, rank)
         if found.state != RankState.PASSED:
             found.write(outcome_path(outdir, rank))

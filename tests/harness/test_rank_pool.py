@@ -102,6 +102,38 @@ def test_a_warm_pool_gives_the_outcomes_of_one_launch_per_cell(tmp_path, monkeyp
     assert not folders[0].exists() and no_process_of(folders[0])
 
 
+def rank_reads_the_launch(job: str) -> dict:
+    """The variables accelerate's launcher gives a rank (its FSDP and accelerate ones), as the rank's Accelerator reads
+    them."""
+    return {"environment": {name: value for name, value in os.environ.items() if name.startswith(("FSDP_", "ACCELERATE_"))},
+            "pid": os.getpid()}
+
+
+def test_engine_options_that_change_only_the_ranks_variables_run_on_the_engines_own_pool(tmp_path, monkeypatch):
+    """An FSDP cell whose config sets another state dict type (`fsdp_state_dict_type`, as sharded_resume's cells do)
+    runs on the warm pool of the engine's own file, between two cells without options, and its ranks read the
+    variables a launch with the edited file gives them; the next cell reads the pool's own again. Two gloo ranks of
+    `accelerate launch` with fixtures/distributed/fsdp1.yaml."""
+    monkeypatch.setattr(pool, "_pools", type(pool._pools)())
+    options = {"fsdp_state_dict_type": "FULL_STATE_DICT"}
+    assert launcher.options_environment("fsdp1", options, 2, launcher.job_environment("cpu"), tmp_path) == {"FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}
+
+    def run(launch, name: str, engine_options: dict | None) -> list:
+        job = tmp_path / name / "job"
+        return launch(f"{HERE}:rank_reads_the_launch", job, 2, "fsdp1", "cpu", 180.0, {"job": str(job)}, engine_options)
+
+    pooled = [run(pool.launch, "first", None), run(pool.launch, "options", options), run(pool.launch, "after", None)]
+    assert len(pool._pools) == 1, f"the cell with options started a pool of its own: {list(pool._pools)}"
+    assert all(o.state == RankState.PASSED for outcomes in pooled for o in outcomes), pooled
+    assert len({o.result["pid"] for outcomes in pooled for o in outcomes}) == 2, "the three cells did not run on one pool's two ranks"
+    launched = run(launcher.launch, "launched", options)
+    read = [[o.result["environment"] for o in outcomes] for outcomes in [*pooled, launched]]
+    first, with_options, after, as_launched = read
+    assert with_options == as_launched, "the pooled cell's ranks read other variables than a launch with the edited file gives"
+    assert after == first and {r["FSDP_STATE_DICT_TYPE"] for r in first} == {"SHARDED_STATE_DICT"}, "the options outlived their cell"
+    pool.close_all()
+
+
 def test_the_pool_is_off_in_pytest_on_in_the_matrix_and_its_switch_is_checked(monkeypatch):
     from stackcheck import lane
 
