@@ -48,32 +48,6 @@ def bytecode_cache(environ: dict[str, str]) -> dict[str, str]:
     return variables
 
 
-# From how many processes importing at once a run compiles its libraries' bytecode first, in parallel (`warm_bytecode`).
-WARM_BYTECODE_WORKERS = 4
-
-
-def warm_bytecode(python: Path, workers: int) -> None:
-    """Compile every module of the set's site-packages (the host's torch too, where the set inherits it) into
-    PYCACHE_DIR with `workers` processes, before `workers` xdist workers start at once. Each of them would otherwise
-    miss the cache on a fresh machine and compile the same modules as the others: on one H100 (16 workers, a fresh
-    machine) each worker's collection took 15 to 21 CPU-seconds against 4 on a warm cache. compileall skips what is
-    up to date (a warm cache costs a stat and a read a file). Nothing is installed or changed but the cache; a module
-    that does not compile is the import's business, as before."""
-    if workers < WARM_BYTECODE_WORKERS:
-        return
-    folders = site_folders(python)
-    if folders:
-        subprocess.run([str(python), "-m", "compileall", "-qq", "-j", str(workers), *map(str, folders)], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, env=bytecode_cache(dict(os.environ)))
-
-
-def site_folders(python: Path) -> list[Path]:
-    """The site-packages folders on the path of `python` (the set's own, and the host's where it inherits torch)."""
-    listing = "import os, sys; print('\\n'.join(p for p in sys.path if p.endswith('-packages') and os.path.isdir(p)))"
-    found = subprocess.run([str(python), "-c", listing], capture_output=True, text=True, env=bytecode_cache(dict(os.environ)))
-    return [Path(line) for line in found.stdout.split()] if found.returncode == 0 else []
-
-
 class EnvBuildError(Exception):
     """The set's environment could not be built (a dependency conflict, a missing wheel)."""
 

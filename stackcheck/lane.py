@@ -173,8 +173,6 @@ def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[s
         command.append(option(RESULTS_OPTION, results_path))
     if baseline:
         command.append(option(BASELINE_OPTION, baseline))
-    workers = next((int(value) for flag, value in zip(extra, extra[1:]) if flag == "-n" and value.isdigit()), 0)
-    envs.warm_bytecode(python, workers)
     print("+", " ".join(command), flush=True)
     variables = envs.bytecode_cache(dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}),
                                          **{LAUNCHED_AT_ENV: repr(time.time()), RUN_ENV: run or new_run_id()}))

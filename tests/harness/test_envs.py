@@ -67,20 +67,3 @@ def test_without_any_torch_the_package_index_chooses_and_the_note_says_so(monkey
     assert requirements == ["torch"] and not inherit
     note = envs.torch_note(default_set())
     assert note.startswith("torch for set seed: the package index's newest") and "UV_TORCH_BACKEND=cpu" in note
-
-
-def test_many_workers_find_their_libraries_compiled_and_a_few_compile_them_themselves(tmp_path, monkeypatch):
-    """Before many xdist workers start at once, the set's site-packages are compiled into the bytecode cache
-    (envs.warm_bytecode); below WARM_BYTECODE_WORKERS nothing is. A stand-in site-packages of one module, this
-    interpreter, a cache folder of the test's own."""
-    site = tmp_path / "site-packages"
-    site.mkdir()
-    (site / "library.py").write_text("VALUE = 1\n")
-    monkeypatch.setattr(envs, "site_folders", lambda python: [site])
-    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "cache"))
-    compiled = lambda: sorted(p.name for p in (tmp_path / "cache").rglob("library.*.pyc"))  # noqa: E731
-
-    envs.warm_bytecode(Path(sys.executable), envs.WARM_BYTECODE_WORKERS - 1)
-    assert compiled() == []
-    envs.warm_bytecode(Path(sys.executable), envs.WARM_BYTECODE_WORKERS)
-    assert compiled() == [f"library.{sys.implementation.cache_tag}.pyc"]
