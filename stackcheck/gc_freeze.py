@@ -22,14 +22,15 @@ collector's reach (`gc.freeze`):
   first, a worker's next test is nearly always of another module, and a collection at each change of module walked
   everything after nearly every test (0.1 s each: 68 of a worker's 69 seconds over 689 skipped cells on this
   project's 2-core machine; `matrix` for seed and latest fell from 312 s to 234 s, every verdict the same; on one
-  H100 0.4 s each, some 240 to 390 CPU-seconds a set, docs/speed.md).
-- Before a test that reads the allocator (on a host with a CUDA device), everything is collected and CUDA's cache emptied, so that its readings
-  start where every earlier test's garbage, frozen or not, is gone (its own readings then collect only what it made:
-  stackcheck.harness.memory.settled). Sessions 16 and 17 ran GPU hosts with a collection of everything at each
-  change of module instead, because device_memory read memory freed during a 4-bit load (150 to 558 KiB, 1 to 6
-  cells a set) when every reading collected everything itself and the collection between tests did not: what an
-  earlier test left frozen was then collected inside the reading, and something it held freed memory later, outside
-  the test's thread (what, is not found: docs/speed.md, session 17).
+  H100 a set's workers spent 1404 CPU-seconds in tests with it and 965 without, on a slower machine, docs/speed.md).
+- Before a test that reads the allocator (on a host with a CUDA device), everything is collected and CUDA's cache
+  emptied, so that its readings start where every earlier test's garbage, frozen or not, is gone (its own readings
+  then collect only what it made: stackcheck.harness.memory.settled). Sessions 16 and 17 ran GPU hosts with a
+  collection of everything at each change of module instead, because device_memory read memory freed during a 4-bit
+  load (150 to 558 KiB, 1 to 6 cells a set) when the collection between tests walked less and every reading
+  collected everything itself (what freed it is not found: docs/speed.md, session 17). With this flow, in 9
+  whole-set runs on one H100 (486 device_memory cells, session 18) no device_memory cell failed, and its workers
+  spent 24 to 51 CPU-seconds a set, against 212 and 251 in session 17's last run.
 """
 
 from __future__ import annotations

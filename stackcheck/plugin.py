@@ -164,11 +164,13 @@ def platform_of(config: pytest.Config) -> dict[str, str]:
 
 
 def read_platform_early(config: pytest.Config) -> None:
-    """Start reading the platform facts in a thread of their own, in a process that will record them: an xdist
-    controller records them once the first worker has collected, and read then (importing torch and bitsandbytes,
-    CUDA's first call, while every worker is busy) they held every worker's first test back. On one H100 host (16
-    workers, a fresh machine) the first tests started 5.5 and 5.9 s after the last worker had collected (this
-    project's 2-core machine: 1.4 s with 6 workers, bitsandbytes' fact cached beside the environment)."""
+    """Start reading the platform facts in a thread of their own, in a process that will record them. An xdist
+    controller records them once the first worker has collected; read only then (importing torch and bitsandbytes,
+    CUDA's first call: seconds on a fresh machine), they waited for the workers' collection instead of overlapping it.
+    Measured on one H100 (16 workers, docs/speed.md, session 18): the first tests started 5.4 to 7.1 s after the
+    last worker had collected before (two fresh machines); after, 3.7 s on a fresh machine, 0.9 and 2.2 s with warm
+    caches, and 5.1 and 5.9 s on the slowest machine of the session: what else the controller waits for there is
+    not found. This project's 2-core machine: 1.4 s with 6 workers, bitsandbytes' fact cached beside the environment."""
     import threading
     from concurrent.futures import Future
 

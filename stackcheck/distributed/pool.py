@@ -15,8 +15,8 @@ the whole environment the job inherits, which names the visible devices and a gu
 changed options where they change more than the ranks' environment). Options that `accelerate launch` only turns
 into the ranks' variables (an FSDP state dict type, RAM-efficient loading, ZeRO-3's init flag: read when the cell
 builds its Accelerator and loads its model) run on the engine's own pool, the rank setting them for that cell
-(launcher.options_environment): on one H100 the FSDP and DeepSpeed cells of other options had started 11 one-rank
-pools of their own a set, about 14 CPU-seconds each (docs/speed.md). A cell whose every rank raised on its own (a known bug often does: both ranks hit the same line) keeps
+(launcher.options_environment): on one H100 a set's pools fell from 23 (29 ranks, 469 CPU-seconds) to 11 (16 ranks,
+327), every verdict the same (docs/speed.md, session 18). A cell whose every rank raised on its own (a known bug often does: both ranks hit the same line) keeps
 its pool once each rank has reset and a tiny collective found the process group whole (rank.fence). Any other cell
 that does not pass (a rank died, hung, or was stopped while another failed: every outcome exactly as `launcher` gives
 it, stacks included) tears its pool down, and the next cell of that key starts a fresh one; so does a pool whose job
