@@ -24,8 +24,10 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the annotations' only: a process that records no exchange (an xdist controller) never imports torch for it
+    import torch
 
 from stackcheck import results
 from stackcheck.versions import slug

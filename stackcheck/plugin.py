@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from stackcheck import exchange, gpu_wait, hostinfo, results, scenario
+from stackcheck import exchange, gpu_wait, hostinfo, results
 from stackcheck.core.cell import LOST, Cell, detail_of, lane_of
 from stackcheck.distributed import pool as rank_pool
 from stackcheck.distributed.cells import Ranks, pool_group
@@ -55,7 +55,6 @@ from stackcheck.protocol import (
     ARCH_OPTION, BASELINE_OPTION, LANES_OPTION, LAUNCHED_AT_ENV, RESULTS_OPTION, RUN_ENV, SET_OPTION, TIMING_OPTION,
 )
 from stackcheck.results import family_of
-from stackcheck.scenario import ScenarioNotReached, UnderTest
 from stackcheck.versions import installed_versions
 
 CELL_KEY = "stackcheck_cell"
@@ -229,6 +228,8 @@ def lane(request: pytest.FixtureRequest):
 @pytest.fixture
 def device(lane: str):
     """The lane's device: CUDA device 0 in the GPU lane, the CPU in the CPU lane (on every host)."""
+    from stackcheck import scenario  # torch's: imported where tests run, never by an xdist controller (it starts the workers)
+
     return scenario.lane_device(lane)
 
 
@@ -242,6 +243,8 @@ def arch(request: pytest.FixtureRequest) -> architectures.Architecture:
 def under_test(request: pytest.FixtureRequest, arch, device) -> UnderTest:
     """The model under test: the architecture on the lane's device. A test whose bug needs structures the
     architecture lacks (`needs` marks, module-level ones included) stops here as not applicable."""
+    from stackcheck.scenario import UnderTest
+
     subject = UnderTest(arch, device)
     for mark in request.node.iter_markers("needs"):
         subject.require_structures(mark.args)
@@ -353,6 +356,8 @@ def _judge(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport, 
     if excinfo and excinfo.errisinstance(RanksFailed):  # each rank judged as a test of its own, then combined
         judgement, item.stackcheck_rank_records = judge_ranks(excinfo.value.outcomes, judge)
         return judgement
+    from stackcheck.scenario import ScenarioNotReached
+
     not_reached = bool(excinfo and excinfo.errisinstance(ScenarioNotReached))
     return judge(Failure.from_exception(excinfo.value, not_reached) if excinfo else None)
 
