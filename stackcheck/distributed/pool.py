@@ -12,16 +12,17 @@ their process group, and reset what a cell leaves behind (rank.leave_the_cell).
 
 One pool per key: everything that makes two launches differ (the interpreter, the engine, the world size, the lane,
 the whole environment the job inherits, which names the visible devices and a guard's PYTHONPATH, and the engine's
-changed options where they change more than the ranks' environment). Options that `accelerate launch` only turns
-into the ranks' variables (an FSDP state dict type, RAM-efficient loading, ZeRO-3's init flag: read when the cell
-builds its Accelerator and loads its model) run on the engine's own pool, the rank setting them for that cell
+changed options where they change more than the ranks' environment). Options that `accelerate launch` only turns into
+the ranks' variables (an FSDP state dict type, RAM-efficient loading, ZeRO-3's init flag: read when the cell builds
+its Accelerator and loads its model) run on the engine's own pool, the rank setting them for that cell
 (launcher.options_environment): on one H100 a set's pools fell from 23 (29 ranks, 469 CPU-seconds) to 11 (16 ranks,
-327), every verdict the same (docs/speed.md, session 18). A cell whose every rank raised on its own (a known bug often does: both ranks hit the same line) keeps
-its pool once each rank has reset and a tiny collective found the process group whole (rank.fence). Any other cell
-that does not pass (a rank died, hung, or was stopped while another failed: every outcome exactly as `launcher` gives
-it, stacks included) tears its pool down, and the next cell of that key starts a fresh one; so does a pool whose job
-ended. At most MAX_POOLS stay warm in a process (the oldest goes first), and every pool is torn down when the
-process exits; a pool whose owner died (a crashed or interrupted pytest) ends itself within a second.
+327), every verdict the same (docs/speed.md, session 18). A cell whose every rank raised on its own (a known bug often
+does: both ranks hit the same line) keeps its pool once each rank has reset and a tiny collective found the process
+group whole (rank.fence). Any other cell that does not pass (a rank died, hung, or was stopped while another failed:
+every outcome exactly as `launcher` gives it, stacks included) tears its pool down, and the next cell of that key
+starts a fresh one; so does a pool whose job ended. At most MAX_POOLS stay warm in a process (the oldest goes first),
+and every pool is torn down when the process exits; a pool whose owner died (a crashed or interrupted pytest) ends
+itself within a second.
 
 The matrix commands run their pytest children with pools on unless STACKCHECK_RANK_POOL=0; plain pytest and the
 harness's tests (`stackcheck tests`, CI) keep one launch per cell unless STACKCHECK_RANK_POOL=1. A warm rank is not

@@ -47,7 +47,8 @@ def settled(device: torch.device, deferred_frees: bool = False) -> int:
     what live objects hold. A test that reads this is marked `reads_device_memory` (stackcheck.gc_freeze.MEMORY_MARK):
     the test before it ended with everything collected, frozen objects too, and CUDA's cache emptied, so what earlier
     tests left is gone before its first reading, and each reading collects only what the collector has not frozen
-    (a collection of everything took some 0.4 s on one H100's workers). `deferred_frees`: also let the allocator
+    (collecting everything at every reading cost device_memory's workers 212 to 251 CPU-seconds a set on one H100,
+    24 to 51 since: docs/speed.md, session 18). `deferred_frees`: also let the allocator
     return the blocks of dead tensors that another stream used (`record_stream`, as trl's activation offloading
     does for a tensor it brought back on its copy stream): such a block stays counted until the allocator
     processes its stream's events, at a later allocation or at `empty_cache`, which does (and releases cached
