@@ -25,6 +25,25 @@ def peft_load(under_test: UnderTest, base, adapter: str | Path, **kwargs):
     return PeftModel.from_pretrained(base, checkpoint, is_trainable=False, **kwargs)
 
 
+def peft_load_on_4bit_layers(under_test: UnderTest, base, adapter: str = "language"):
+    """`peft_load` of an adapter fixture with its LoRA on `base`'s 4-bit layers only: the targets bitsandbytes left in
+    bf16 are excluded (`exclude_modules`: a mixture of experts' router gates; its fused experts' `target_parameters`
+    dropped), and their LoRA weights in the file are not loaded. The rest loads as the file says."""
+    from peft import PeftConfig, PeftModel
+
+    checkpoint = tiny.adapter_checkpoint(under_test.arch, adapter)
+    config = PeftConfig.from_pretrained(checkpoint)
+    # Names, each matching a module's name or its last parts (PEFT's rule for a list); a pattern string is left as it is.
+    targets = [] if isinstance(config.target_modules, str) else list(config.target_modules or [])
+    quantized = set(linear4bit_modules(base))
+    left_in_bf16 = sorted(name for name, _ in base.named_modules()
+                          if name not in quantized and any(name == target or name.endswith(f".{target}") for target in targets))
+    config.exclude_modules = left_in_bf16 or None
+    if getattr(config, "target_parameters", None):
+        config.target_parameters = None
+    return PeftModel.from_pretrained(base, checkpoint, config=config, is_trainable=False)
+
+
 def qlora_model(under_test: UnderTest, base, adapter: str = "language"):
     """The QLoRA recipe on `base`: `prepare_model_for_kbit_training` with its defaults, then a fresh LoRA on the
     adapter fixture's targets (`tiny.lora_config`), in training mode."""

@@ -35,20 +35,38 @@ def assert_merge_keeps_effect(label: str, merged: torch.Tensor, adapter: torch.T
     assert_within(f"{label} merge diverges: relative logit error", error, MERGE_TOLERANCE, judged_by=("of the adapter's effect kept", kept))
 
 
-def lora_base_weights(model) -> dict[str, torch.Tensor]:
-    """The base weight under every LoRA layer of a linear (2-D) weight, in fp32: NF4 weights dequantized by
-    bitsandbytes, as PEFT's own 4-bit merge reads them."""
+def _as_fp32(weight: torch.Tensor) -> torch.Tensor:
+    """A weight in fp32: an NF4 one dequantized by bitsandbytes, as PEFT's own 4-bit merge reads it."""
     import bitsandbytes as bnb
 
+    if isinstance(weight, bnb.nn.Params4bit):
+        weight = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
+    return weight.detach().float().clone()
+
+
+def lora_base_weights(model) -> dict[str, torch.Tensor]:
+    """The base weight under every LoRA layer of a linear (2-D) weight, in fp32 (`_as_fp32`)."""
     weights = {}
     for name, layer in lora_layers(model).items():
         weight = getattr(layer.get_base_layer(), "weight", None)
-        if weight is None or weight.ndim != 2:
-            continue
-        if isinstance(weight, bnb.nn.Params4bit):
-            weight = bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
-        weights[name] = weight.detach().float().clone()
+        if weight is not None and weight.ndim == 2:
+            weights[name] = _as_fp32(weight)
     return weights
+
+
+# The prefix PEFT's wrapper adds to the names of the model it wraps; `merge_and_unload` gives the model back without it.
+PEFT_PREFIX = "base_model.model."
+
+
+def weight_change_kept(merged, start: dict[str, torch.Tensor], deltas: dict[str, torch.Tensor]) -> float:
+    """The share of the adapter's weight change that `merged` (what `merge_and_unload` returned) carries, over every
+    LoRA layer of `start` (`lora_base_weights` before the merge) together: <W_merged - W_start, dW> / ||dW||^2 with
+    dW each layer's `lora_deltas`. 1 when the merge added the whole change, 0 when it added none (a merge that drops
+    the adapter), 2 when it added it twice. A 4-bit merge re-quantizes W + dW: its rounding lands beside the change,
+    not along it, and leaves this at about 1 whatever the model does with the noise downstream."""
+    modules = dict(merged.named_modules())
+    along = sum((_as_fp32(modules[name.removeprefix(PEFT_PREFIX)].weight) - start[name]).mul(deltas[name]).sum() for name in start)
+    return (along / sum(deltas[name].pow(2).sum() for name in start)).item()
 
 
 def lora_deltas(model, adapter_name: str = "default") -> dict[str, torch.Tensor]:

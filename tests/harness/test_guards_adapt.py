@@ -138,6 +138,25 @@ def test_merge_effect_meets_the_known_4bit_rounding_by_its_mechanism(monkeypatch
     assert judged("merge_effect", name, excinfo.value).verdict == NEW_FAILURE
 
 
+def test_merge_parity_files_the_known_rounding_by_the_weights_and_a_dropped_merge_as_new(monkeypatch, prompt):
+    """merge_parity's 4-bit test on the tiny Llama 3, for real: the merged weights carry the adapter's weight change
+    (0.9955) beside the re-quantization noise, which the ledger files under merge_4bit_divergence; a 4-bit merge that
+    changes no weight (PEFT's Linear4bit.merge made a no-op) keeps 0 of it, a new failure."""
+    family = importlib.import_module("tests.families.test_merge_parity")
+    name = "test_merge_into_4bit_base_reproduces_adapter_outputs[cpu-llama3]"
+    with pytest.raises(ToleranceExceeded, match=r"4-bit merge diverges: .*\(of the adapter's weight change kept 0\.99\d\d\)") as excinfo:
+        family.test_merge_into_4bit_base_reproduces_adapter_outputs(LLAMA3, prompt)
+    judgement = judged("merge_parity", name, excinfo.value)
+    assert (judgement.verdict, judgement.bug) == (KNOWN_BUG, "merge_4bit_divergence"), judgement
+
+    from peft.tuners.lora.bnb import Linear4bit
+
+    monkeypatch.setattr(Linear4bit, "merge", lambda self, *args, **kwargs: None)
+    with pytest.raises(ToleranceExceeded, match=r"\(of the adapter's weight change kept 0\.0000\)") as excinfo:
+        family.test_merge_into_4bit_base_reproduces_adapter_outputs(LLAMA3, prompt)
+    assert judged("merge_parity", name, excinfo.value).verdict == NEW_FAILURE
+
+
 # --- merge_cycles --------------------------------------------------------------------------------------------------
 
 

@@ -138,9 +138,10 @@ def test_message_must_match_whole_not_be_searched(ledger, versions, monkeypatch)
 
 @pytest.mark.parametrize("kept, verdict", [(0.94, KNOWN_BUG), (0.0, NEW_FAILURE), (2.0, NEW_FAILURE), (float("nan"), NEW_FAILURE)])
 def test_numeric_known_bug_is_judged_by_its_mechanism(ledger, versions, kept, verdict):
-    """The real merge comparison of the family, on real logits of the tiny model: the merge keeps a chosen
-    fraction of the adapter's effect, beside re-quantization-like noise of half the effect. Only a merge that keeps
-    the effect is the known re-quantization loss; one that drops the adapter is another bug, whatever the error."""
+    """The real merge comparison of the family, on real logits of the tiny model: the merge keeps a chosen share of
+    the adapter's change (the family reports the share of the weight change the merged weights carry), beside
+    re-quantization-like noise of half the effect. Only a merge that keeps the change is the known re-quantization
+    loss; one that drops the adapter is another bug, whatever the error."""
     family = family_module("merge_parity")
     model = scenario.load_base(GEMMA4, quantized=False)
     prompt = scenario.prompt(GEMMA4.device)
@@ -149,7 +150,7 @@ def test_numeric_known_bug_is_judged_by_its_mechanism(ledger, versions, kept, ve
     noise = 0.5 * torch.ones_like(merged)
     noise[..., 1::2] *= -1  # orthogonal to the effect: it changes the error, not the fraction kept
     base = merged - kept * effect - noise
-    failure = caught(family.assert_merge_parity, "4-bit", model, prompt, base, base + effect, [])
+    failure = caught(family.assert_merge_parity, "4-bit", model, kept, prompt, base, base + effect, [])
     assert failure.raising_frame == "tests/families/test_merge_parity.py:assert_merge_parity"
     assert kept != kept or failure.measured == pytest.approx(kept, abs=1e-4)
 
@@ -360,7 +361,7 @@ def merge_divergence(kept: float) -> Failure:
     effect, noise = torch.ones_like(merged), 0.5 * torch.ones_like(merged)
     noise[..., 1::2] *= -1
     base = merged - kept * effect - noise
-    return caught(family.assert_merge_parity, "4-bit", model, prompt, base, base + effect, [])
+    return caught(family.assert_merge_parity, "4-bit", model, kept, prompt, base, base + effect, [])
 
 
 def test_a_library_mechanism_is_known_on_an_architecture_that_is_not_built_in(ledger, versions, tmp_path):
