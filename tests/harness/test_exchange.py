@@ -47,3 +47,34 @@ def test_a_missing_or_stale_export_is_refused(tmp_path):
     assert results.fingerprint() != "0" * 16
     with pytest.raises(exchange.ExportMissing, match="other family definitions"):
         exchange.AdapterExchange(folder, "latest", "seed").baseline_export("language")
+
+
+def test_a_baseline_that_met_a_known_bug_before_exporting_makes_the_upgrade_cell_not_applicable(tmp_path):
+    """adapter_round_trip's cross-set cell, where the baseline left no adapter: not applicable where the baseline's
+    own training cell (the same parameters) is recorded as a known bug, which stopped it before its export (seed's
+    MoE training meets `peft_moe_all_linear_charset`); scenario not reached where that cell was judged otherwise."""
+    import importlib
+    from types import SimpleNamespace
+
+    from stackcheck.core.cell import Cell
+    from stackcheck.models.tiny import NotApplicable
+    from stackcheck.scenario import ScenarioNotReached
+
+    family = importlib.import_module("tests.families.test_adapter_round_trip")
+    module = "tests/families/test_adapter_round_trip.py"
+    path = tmp_path / "matrix.json"
+
+    def cross_set_cell(trained_verdict: str, bug: str | None):
+        data = results.empty()
+        data["cells"] = [Cell("seed", "adapter_round_trip", f"{module}::test_trained_adapter_reloads_onto_a_fresh_4bit_base[cpu-qwen3moe]",
+                              "cpu", trained_verdict, bug=bug)]
+        results.save(path, data, markdown=False)
+        request = SimpleNamespace(config=SimpleNamespace(getoption=lambda name: str(path)),
+                                  node=SimpleNamespace(nodeid=f"{module}::test_adapter_trained_by_the_baseline_set_reloads[cpu-qwen3moe]",
+                                                       originalname="test_adapter_trained_by_the_baseline_set_reloads"))
+        family.test_adapter_trained_by_the_baseline_set_reloads(None, None, exchange.AdapterExchange(tmp_path / "exchange", "latest", "seed"), request)
+
+    with pytest.raises(NotApplicable, match="set 'seed' left no trained 'language' adapter .* known bug peft_moe_all_linear_charset"):
+        cross_set_cell("known_bug", "peft_moe_all_linear_charset")
+    with pytest.raises(ScenarioNotReached, match="set 'seed' left no trained 'language' adapter"):
+        cross_set_cell("new_failure", None)
