@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stackcheck.harness.proof import require
+from stackcheck.harness.proof import relative_error, require
 
 
 # Chosen so that every greedy step of the tiny Gemma 4 base and adapter, 4-bit and bf16, wins by at least 0.69
@@ -116,3 +116,30 @@ def decoded(model, input_ids: torch.Tensor, new_tokens: int, **generate_kwargs) 
     sequence = out.sequences[:, :-1]
     full = model(input_ids=sequence, use_cache=False).logits[0, input_ids.shape[1] - 1 :].float().cpu()
     return stepwise, full, out.past_key_values, sequence
+
+
+# A bf16 cell's fp32 twin (`bf16_rounding_bound`) must decode from its cache exactly as without it, within this: the
+# multimodal Gemma 3 with its adapter measured 6.8e-7 on the CPU (tests/contract/generate/test_cached_decoding.py).
+FP32_CACHE_LOGIC = 1e-4
+
+
+def bf16_rounding_bound(fp32, prompt: torch.Tensor, sequence: torch.Tensor, full: torch.Tensor, new_tokens: int,
+                        tolerance: float, **generate_kwargs) -> float:
+    """The tolerance of a bf16 cell of cached decoding past `tolerance`, from what bf16's rounding does on this
+    machine. `fp32` is the cell's model again, in fp32 (a fresh one: generate keeps a static cache), `sequence` and
+    `full` the bf16 cell's (`decoded`). The fp32 model must decode from the cache exactly as without it
+    (FP32_CACHE_LOGIC: a cache that is wrong stays wrong in fp32, and the cell is then judged at `tolerance`); then the
+    bf16 cell may differ by twice what bf16's rounding alone does to the full forward of its own sequence (the bf16
+    full forward against the fp32 one): the cached path rounds as much again, in another order. A cache that is wrong
+    only in bf16 (stored in another dtype, overflowing) is off by far more than bf16's own rounding; one off by less
+    cannot be told from it."""
+    again, reference, _used, _sequence = decoded(fp32, prompt, new_tokens, **generate_kwargs)
+    logic = relative_error(reference, again)
+    print(f"stackcheck measured: the same cell in fp32 (the cache's logic without bf16's rounding) {logic:.3g}, tolerance {FP32_CACHE_LOGIC}")
+    if logic > FP32_CACHE_LOGIC:  # the cache's logic is wrong: the cell is judged at `tolerance`, with its own message
+        return tolerance
+    with torch.no_grad():
+        exact = fp32(input_ids=sequence, use_cache=False).logits[0, prompt.shape[1] - 1 :].float().cpu()
+    rounding = relative_error(exact, full)
+    print(f"stackcheck measured: bf16's rounding of the full forward {rounding:.3g}")
+    return max(tolerance, 2 * rounding)

@@ -28,6 +28,17 @@ by 1.4 to 2.3% without any bug (eager and fp32 give 1e-6).
 Judged by mechanism: the error's size depends on the model, where it sits does not. A failure also reports the share
 of the divergence past the first position (`share_past_the_first`): all of it (1.0) for a kernel only one-token decode
 takes, about (n - 1) / n for a forward wrong at every position (0.85 to 0.90 measured on 5.5.1).
+
+A bf16 cell of the step-wise check past 0.01 is judged by bf16's rounding on its machine, as cached_decoding judges
+its own (`scenario.bf16_rounding_bound`): the same model in fp32 must decode from its cache exactly as without it
+(within 1e-4), and the bf16 cell may then differ by twice what bf16's rounding does to its full forward. Qwen3-Next
+in bf16 reads 0.0000 on this project's CPU (latest) and 0.0119 on the H100 host's CPU (both avx512_bf16; torch's bf16
+kernels differ between them): a platform-dependent new_failure before, not re-run since. Measured here with the
+tolerance lowered to 0.001 to reach that path: multimodal Gemma 3 with its adapter, latest, fp32 twin 7.9e-7,
+bf16's rounding of the full forward 0.015, so a bound of 0.030 against the cell's 0.0047 (seed: 6.2e-7, 0.017,
+0.034 against 0.0080). transformers#45242 is a fault of the cache's logic (the shared layers' K/V), which an fp32
+twin keeps, so its bf16 cells would stay judged at 0.01 (not run on 5.5.1 since); the guard
+(tests/harness/test_guards_serialize.py) breaks a cache in both dtypes, and the cell stays judged at 0.01.
 """
 
 import torch
@@ -52,8 +63,8 @@ def require_cache(output) -> None:
     scenario.require(output.past_key_values is not None, "the forward with use_cache=True returned no cache")
 
 
-def assert_cache_parity(what: str, error: float, judged_by: tuple[str, float] | None = None) -> None:
-    scenario.assert_within(f"{what}: relative error", error, CACHE_TOLERANCE, judged_by)
+def assert_cache_parity(what: str, error: float, judged_by: tuple[str, float] | None = None, tolerance: float = CACHE_TOLERANCE) -> None:
+    scenario.assert_within(f"{what}: relative error", error, tolerance, judged_by)
 
 
 @scenario.QUANTIZATION
@@ -74,13 +85,13 @@ def test_forward_without_cache_matches_cached_forward(under_test, quantized, pro
 @torch.no_grad()
 def test_generate_cached_logits_match_full_forward(under_test, quantized, prompt):
     """`generate`'s logits, computed token by token from its cache, against one forward of the same sequence
-    without a cache. Compared on one sequence, so a near-tie cannot flip it."""
+    without a cache. Compared on one sequence, so a near-tie cannot flip it. A bf16 cell past CACHE_TOLERANCE is
+    judged by bf16's rounding on its machine (`scenario.bf16_rounding_bound`, as cached_decoding judges its own)."""
     model = adapted_model(under_test, quantized)
-    out = model.generate(input_ids=prompt, min_new_tokens=NEW_TOKENS, max_new_tokens=NEW_TOKENS, do_sample=False,
-                         use_cache=True, output_logits=True, return_dict_in_generate=True)
-    stepwise = torch.stack(out.logits, dim=1)[0].float().cpu()
-
-    full = model(input_ids=out.sequences[:, :-1], use_cache=False).logits[0, prompt.shape[1] - 1 :].float().cpu()
-
-    assert_cache_parity(f"generate's cached logits diverge from a full forward ({scenario.base_kind(quantized)})", scenario.relative_error(full, stepwise),
-                        judged_by=scenario.share_past_the_first(stepwise, full))
+    stepwise, full, _cache, sequence = scenario.decoded(model, prompt, NEW_TOKENS)
+    error = scenario.relative_error(full, stepwise)
+    tolerance = CACHE_TOLERANCE
+    if error > CACHE_TOLERANCE and not quantized:
+        tolerance = scenario.bf16_rounding_bound(adapted_model(under_test, False).float(), prompt, sequence, full, NEW_TOKENS, CACHE_TOLERANCE)
+    assert_cache_parity(f"generate's cached logits diverge from a full forward ({scenario.base_kind(quantized)})", error,
+                        judged_by=scenario.share_past_the_first(stepwise, full), tolerance=tolerance)

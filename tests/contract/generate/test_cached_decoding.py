@@ -37,8 +37,6 @@ from stackcheck import scenario
 from stackcheck.harness.generate import decoded
 
 CACHE_TOLERANCE = 0.01
-# The fp32 twin of a bf16 cell past CACHE_TOLERANCE: multimodal Gemma 3's measured 6.8e-7 on the CPU.
-FP32_CACHE_LOGIC = 1e-4
 NEW_TOKENS = 6  # prompt (8) + new tokens stays under the 16 query tokens where torch's CPU attention switches kernels
 CACHE = {"dynamic": None, "static": "static"}
 QUANTIZATION = {"bf16": False, "nf4": True}
@@ -87,20 +85,6 @@ def test_cached_decoding_matches_uncached(under_test, cache, quantization, adapt
 
 
 def bf16_rounding_bound(under_test, adapter: bool, prompt, sequence, full, kwargs) -> float:
-    """The tolerance of a bf16 cell past CACHE_TOLERANCE, from what bf16's rounding does on this machine: the same
-    weights in fp32 (torch's fp32 matmuls) must decode from the cache exactly as without it (FP32_CACHE_LOGIC: a
-    cache that is wrong stays wrong in fp32, and the cell is then judged at CACHE_TOLERANCE), and then the bf16 cell may differ by twice what bf16's rounding alone does
-    to the full forward of its own sequence (the bf16 full forward against the fp32 one): the cached path rounds as
-    much again, in another order. A cache that is wrong only in bf16 (stored in another dtype, overflowing) is off by
-    far more than bf16's own rounding; one off by less cannot be told from it."""
-    fp32 = model_under_test(under_test, False, adapter).float()  # a fresh one: generate keeps its static cache
-    again, reference, _used, _sequence = decoded(fp32, prompt, NEW_TOKENS, **kwargs)
-    logic = scenario.relative_error(reference, again)
-    print(f"stackcheck measured: the same cell in fp32 (the cache's logic without bf16's rounding) {logic:.3g}, tolerance {FP32_CACHE_LOGIC}")
-    if logic > FP32_CACHE_LOGIC:  # the cache's logic is wrong: the cell is judged at CACHE_TOLERANCE, with its own message
-        return CACHE_TOLERANCE
-    with torch.no_grad():
-        exact = fp32(input_ids=sequence, use_cache=False).logits[0, prompt.shape[1] - 1 :].float().cpu()
-    rounding = scenario.relative_error(exact, full)
-    print(f"stackcheck measured: bf16's rounding of the full forward {rounding:.3g}")
-    return max(CACHE_TOLERANCE, 2 * rounding)
+    """`scenario.bf16_rounding_bound` with a fresh fp32 model of the cell (generate keeps its static cache)."""
+    fp32 = model_under_test(under_test, False, adapter).float()
+    return scenario.bf16_rounding_bound(fp32, prompt, sequence, full, NEW_TOKENS, CACHE_TOLERANCE, **kwargs)
