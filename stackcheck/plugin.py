@@ -444,8 +444,12 @@ class Recorder:
                     self._flush()
 
     def _start(self, nodeids: list[str]) -> None:
+        if self.started:  # under xdist every worker reports the same collection: the first one starts the run
+            # (building every worker's placeholders anyway held the first tests back: 12 workers of 1243 cells,
+            # 3.3 s of the controller before, 0.95 s after, on this project's machine)
+            return
         cells = [self._lost(nodeid, family) for nodeid in nodeids if (family := family_of(nodeid))] + self.unimportable
-        if self.started or not cells:
+        if not cells:
             return
         self.started = True
         self.replaced = results.begin_run(self.path, self.set_name, self.versions, self.platform(), cells, self.fingerprint)

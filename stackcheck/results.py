@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -25,7 +26,12 @@ DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/ledger.py", "stackchec
 
 def family_of(nodeid: str) -> str | None:
     """The family of a test node id (or of a module path) under tests/families or tests/contract/<phase>, else None."""
-    path = Path(nodeid.split("::", 1)[0])
+    return _family_of_module(nodeid.split("::", 1)[0])
+
+
+@functools.cache
+def _family_of_module(module: str) -> str | None:
+    path = Path(module)
     homes = (FAMILIES_DIR.relative_to(REPO_ROOT), CONTRACT_DIR.relative_to(REPO_ROOT))
     if not (path.parent == homes[0] or path.parent.parent == homes[1]) or not path.stem.startswith("test_"):
         return None
