@@ -168,8 +168,9 @@ def read_platform_early(config: pytest.Config) -> None:
     CUDA's first call: seconds on a fresh machine), they waited for the workers' collection instead of overlapping it.
     Measured on one H100 (16 workers, docs/speed.md, session 18): the first tests started 5.4 to 7.1 s after the
     last worker had collected before (two fresh machines); after, 3.7 s on a fresh machine, 0.9 and 2.2 s with warm
-    caches, and 5.1 and 5.9 s on the slowest machine of the session: what else the controller waits for there is
-    not found. This project's 2-core machine: 1.4 s with 6 workers, bitsandbytes' fact cached beside the environment."""
+    caches, and 5.1 and 5.9 s on the slowest machine of the session. The rest of that wait was found later: every
+    worker's collection rebuilt the run's placeholders (`Recorder._start`). This project's 2-core machine: 1.4 s
+    with 6 workers, bitsandbytes' fact cached beside the environment."""
     import threading
     from concurrent.futures import Future
 
