@@ -18,12 +18,13 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+from importlib import metadata
 from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from stackcheck import REPO_ROOT, protocol
+from stackcheck import REPO_ROOT, cuda_driver, protocol
 from stackcheck.locking import folder_locked
 from stackcheck.versions import UsageError, VersionSet
 
@@ -245,14 +246,19 @@ def inherit_host_site_packages(python: Path) -> None:
 
 
 def cuda_device() -> str:
-    """The name of GPU 0 as the host's torch sees it, which every set's environment inherits."""
-    try:
-        import torch
-    except ImportError:
-        raise UsageError(f"no GPU: the Python running stackcheck ({sys.executable}) has no torch to share with the set environments") from None
-    if not torch.cuda.is_available():
-        raise UsageError(f"no GPU: torch {torch.__version__} on this host sees no CUDA device")
-    return torch.cuda.get_device_name(0)
+    """The name of GPU 0 as the host's torch, which every set's environment inherits, sees it: read from the CUDA
+    driver, which torch counts and names its devices by (stackcheck.cuda_driver), without importing torch."""
+    if importlib.util.find_spec("torch") is None:
+        raise UsageError(f"no GPU: the Python running stackcheck ({sys.executable}) has no torch to share with the set environments")
+    torch_version = metadata.version("torch")
+    if torch_version.endswith("+cpu"):
+        raise UsageError(f"no GPU: torch {torch_version} on this host is built for the CPU alone")
+    names = cuda_driver.device_names()
+    if not names:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise UsageError(f"no GPU: torch {torch_version} on this host sees no CUDA device"
+                         + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""))
+    return names[0]
 
 
 def versions_in(python: Path, vset: VersionSet) -> str:

@@ -23,17 +23,16 @@ from __future__ import annotations
 import ctypes
 import os
 
+from stackcheck import cuda_driver
+
 WAIT_VARIABLE = "STACKCHECK_GPU_WAIT"
 BLOCK, SPIN = "block", "spin"
 CU_CTX_SCHED_BLOCKING_SYNC = 0x04
-_CUDA_SUCCESS = 0
+_CUDA_SUCCESS = cuda_driver.SUCCESS
 
 
 def _driver():
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
+    return cuda_driver.load()
 
 
 def block_waits() -> int:

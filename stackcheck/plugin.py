@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from stackcheck import exchange, gpu_wait, hostinfo, results
+from stackcheck import cuda_driver, exchange, gpu_wait, hostinfo, results
 from stackcheck.core.cell import LOST, Cell, detail_of, lane_of
 from stackcheck.distributed import pool as rank_pool
 from stackcheck.distributed.cells import Ranks, pool_group
@@ -76,12 +76,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def visible_gpus() -> list[str]:
-    """The GPUs this run may use: CUDA_VISIBLE_DEVICES when set, else every device torch counts."""
+    """The GPUs this run may use: CUDA_VISIBLE_DEVICES when set, else every device the CUDA driver counts (as torch
+    does, without importing it in the controller: stackcheck.cuda_driver)."""
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         return [gpu.strip() for gpu in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if gpu.strip()]
-    import torch
-
-    return [str(index) for index in range(torch.cuda.device_count())]
+    return [str(index) for index in range(len(cuda_driver.device_names() or []))]
 
 
 def worker_gpus(gpus: list[str], worker: int) -> str:

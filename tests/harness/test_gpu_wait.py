@@ -1,12 +1,14 @@
 """How the run's processes wait for a GPU (stackcheck.gpu_wait): each visible device's primary context set to block,
 by the worker among several and by what it starts, and nothing where the user keeps CUDA's spinning or there is no
-driver. A stand-in for the CUDA driver's four calls records what the module asks of it (this machine has none)."""
+driver. A stand-in for the CUDA driver's calls records what the module asks of it (this machine has none). The same
+stand-in names the devices for the command and pytest's controller (stackcheck.cuda_driver), which import no torch."""
 
 import ctypes
 
 import pytest
 
-from stackcheck import gpu_wait
+from stackcheck import cuda_driver, envs, gpu_wait, plugin
+from stackcheck.versions import UsageError
 
 
 class Driver:
@@ -28,6 +30,10 @@ class Driver:
 
     def cuDevicePrimaryCtxSetFlags_v2(self, device, flags):
         self.flags[device.value] = flags
+        return 0
+
+    def cuDeviceGetName(self, name, length, device):
+        ctypes.memmove(name, f"GPU {device.value}".encode() + b"\0", min(length, 16))
         return 0
 
 
@@ -61,3 +67,27 @@ def test_no_driver_no_device(monkeypatch):
     assert gpu_wait.block_waits() == 0
     monkeypatch.setattr(gpu_wait, "_driver", lambda: Driver(devices=0))
     assert gpu_wait.block_waits() == 0
+
+
+def test_the_devices_are_named_by_the_driver_as_torch_names_them(monkeypatch):
+    monkeypatch.setattr(cuda_driver, "load", lambda: Driver(devices=2))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert cuda_driver.device_names() == ["GPU 100", "GPU 101"]
+    assert plugin.visible_gpus() == ["0", "1"]  # the controller's count for its workers' lists
+    monkeypatch.setattr(envs.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(envs.metadata, "version", lambda name: "2.11.0+cu130")
+    assert envs.cuda_device() == "GPU 100"
+
+
+def test_no_device_or_a_cpu_torch_is_one_usage_line(monkeypatch):
+    monkeypatch.setattr(envs.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(envs.metadata, "version", lambda name: "2.11.0")
+    for driver in (None, Driver(devices=0)):
+        monkeypatch.setattr(cuda_driver, "load", lambda: driver)
+        assert cuda_driver.device_names() in (None, [])
+        with pytest.raises(UsageError, match="no GPU: torch 2.11.0 on this host sees no CUDA device"):
+            envs.cuda_device()
+    monkeypatch.setattr(cuda_driver, "load", lambda: Driver(devices=1))
+    monkeypatch.setattr(envs.metadata, "version", lambda name: "2.13.0+cpu")
+    with pytest.raises(UsageError, match="built for the CPU alone"):
+        envs.cuda_device()
