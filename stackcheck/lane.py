@@ -176,7 +176,23 @@ def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[s
     print("+", " ".join(command), flush=True)
     variables = envs.bytecode_cache(dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}),
                                          **{LAUNCHED_AT_ENV: repr(time.time()), RUN_ENV: run or new_run_id()}))
-    return subprocess.call(command, cwd=REPO_ROOT, env=variables)
+    warmer = envs.warm_bytecode(python, xdist_workers(extra), variables)
+    try:
+        return subprocess.call(command, cwd=REPO_ROOT, env=variables)
+    finally:
+        if warmer is not None:
+            warmer.kill()
+            warmer.wait()
+
+
+def xdist_workers(options: list[str]) -> int:
+    """How many xdist workers `options` start (`-n N`, `-nN`, `--numprocesses=N`); 0 for none or `auto`."""
+    for flag, value in zip(options, [*options[1:], ""]):
+        for prefix in ("-n", "--numprocesses="):
+            given = value if flag in ("-n", "--numprocesses") else flag.removeprefix(prefix) if flag.startswith(prefix) else ""
+            if given.isdigit():
+                return int(given)
+    return 0
 
 
 def check_ledger() -> None:
