@@ -85,6 +85,40 @@ def test_optimizers_fail_when_the_bnb_step_counter_does_not_advance(monkeypatch)
         contract("train", "optimizers_track_adamw").test_bnb_optimizer_tracks_torch_adamw(LLAMA3, "paged_adamw_32bit")
 
 
+def test_optimizers_fail_when_every_step_is_scaled_past_float32s_rounding(monkeypatch):
+    """A uniform scale of every step is accepted up to STEP_SCALE (the rounding of AdamW's scalars in float32), judged
+    beside it; a larger one (here bitsandbytes at lr x (1 + 2e-3)) fails on the error itself."""
+    import bitsandbytes as bnb
+    from packaging.version import Version
+
+    if Version(installed_versions()["bitsandbytes"]) < Version("0.50.0"):
+        pytest.skip("bitsandbytes < 0.50 has no CPU optimizer kernels (bnb_optimizers_cpu): the family cannot run here")
+    update_step = bnb.optim.optimizer.Optimizer2State.update_step
+
+    def faster(self, group, p, gindex, pindex):
+        lr = group["lr"]
+        group["lr"] = lr * (1 + 2e-3)
+        try:
+            return update_step(self, group, p, gindex, pindex)
+        finally:
+            group["lr"] = lr
+
+    monkeypatch.setattr(bnb.optim.optimizer.Optimizer2State, "update_step", faster)
+    with pytest.raises(AssertionError, match=r"drifts from torch's AdamW over 3 steps: worst LoRA tensor's relative error \(its elements\) 0\.00[2-3]"):
+        contract("train", "optimizers_track_adamw").test_bnb_optimizer_tracks_torch_adamw(LLAMA3, "paged_adamw_32bit")
+
+
+def test_the_uniform_step_scale_is_found_where_it_is_the_whole_difference():
+    """`Run.step_scale` on torch's own AdamW at lr x (1 + 5e-5): the scale it finds is that one, and nothing is left
+    beside it."""
+    family = contract("train", "optimizers_track_adamw")
+    run = family.Run(LLAMA3)
+    run.torch_adamw()
+    weights, _losses, _optimizer = run.train(lambda params: torch.optim.AdamW(params, **{**family.ADAMW, "lr": family.ADAMW["lr"] * (1 + 5e-5)}))
+    scale, left = run.step_scale(weights)
+    assert scale == pytest.approx(5e-5, rel=0.05) and left < 1e-5, (scale, left)
+
+
 def test_optimizers_fail_when_the_weight_decay_follows_the_update(monkeypatch):
     """bitsandbytes issue #2010's mechanism, on the CPU kernel: the update first, then the decay, p <- (p - lr u)(1 - lr
     wd). The family fails, and names the share decay-after-update explains: all of it."""

@@ -66,6 +66,22 @@ seed's libraries and 2.9e-4 to 4.0e-4 with latest's, d = 1e-4 gives 1.8e-3 and 2
 with seed's the worst tensor is layers.3 v_proj's LoRA A, the one the H100 flagged). The cell prints the worst element's share
 of its tensor's squared error and its bias-corrected |m|/sqrt(v) (CPU, latest: 1.00 and 0.64, the tensor's median 0.84):
 one element, and not one whose gradients cancel or sit near eps.
+
+So a 32-bit cell past its tolerance is judged beside a uniform scale of every step (`Run.step_scale`): the scale
+whose torch AdamW run lies nearest to bitsandbytes' weights (the deviation projected, over every LoRA tensor at once,
+on the direction torch's AdamW at lr x (1 + SCALE_PROBE) moves them), accepted up to STEP_SCALE (1e-4), and the
+worst LoRA tensor's error left beside it must be within the tolerance. Why such a scale is float32's arithmetic and
+not a bug of the update rule: at steps 1 to 3 with beta2 0.999, 1 - beta2^t cancels, so a relative error e of
+beta2^t (a fast-math powf off by a couple of float32 ulps, e about 2e-7) becomes about e / (1 - beta2^t), up to 2e-4,
+in the second moment's bias correction, half of it in the step; decay-after-update adds lr x wd = 1e-5. Measured on
+an H100 (2026-11-27, both sets, seven architectures; qwen3moe and qwen3next latest only, seed's PEFT cannot target
+them): bitsandbytes' deviation from torch's AdamW lies along the direction decay-after-update moves the weights, 1.5
+to 5.1 times it, a step scale of about 1.5e-5 to 5.1e-5 (multimodal Gemma 3 seed: 5.1, its error 1.25e-3 against
+1.05e-3 left beside decay-after-update alone). On the CPU, whose backend decays first in exact arithmetic, the fitted
+scales are 2e-8 to 5e-6 (latest, Llama 3, Gemma 4, multimodal Gemma 3, Qwen3-Next, with the tolerance lowered to
+reach the fit), and beside them multimodal Gemma 3's error falls from 1.7e-4 to 5.1e-5. An update rule that is
+another (a step counter that does not advance: scale 0.34) or a step scaled past float32's rounding (lr x (1 +
+2e-3): scale 2.0e-3) is judged on its error and fails (tests/harness/test_guards_train.py).
 """
 
 import functools
@@ -80,6 +96,10 @@ STEPS = 3
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 TOLERANCE = {32: 1e-3, 8: 0.1}
 FLOOR_FACTOR = 10
+# A uniform scale of every step that the 32-bit cells accept, judged beside it (`Run.step_scale`); SCALE_PROBE is the
+# learning-rate change whose run gives the direction such a scale moves the weights in.
+STEP_SCALE = 1e-4
+SCALE_PROBE = 1e-4
 # How far below its tensor's largest an element's gradient scale may be for an 8-bit state to represent it.
 DYNAMIC_RANGE = 100.0
 # bitsandbytes' default compute dtype: see the module's docstring for why not bf16.
@@ -105,6 +125,7 @@ class Run:
         # gradients are equal, near 0 where they cancel): how an element's step depends on its gradients' agreement.
         self.agreement: dict[str, torch.Tensor] = {}
         self.floor: float | None = None
+        self.scaled: dict[str, torch.Tensor] | None = None
 
     def train(self, make_optimizer):
         """STEPS steps from the starting weights: the LoRA weights after them, the losses, the optimizer."""
@@ -140,6 +161,24 @@ class Run:
             fused, _losses, _optimizer = self.train(lambda params: torch.optim.AdamW(params, **ADAMW, fused=True))
             self.floor = max(update_errors(self, fused).values())
         return self.floor
+
+
+    def step_scale(self, weights: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """The uniform scale of every step that brings torch's AdamW nearest to `weights`, and the worst LoRA tensor's
+        relative error (against the way it moved) left beside it. The direction such a scale moves the weights in is
+        torch's own AdamW at lr x (1 + SCALE_PROBE) less its run at lr; the scale is the deviation's projection on it,
+        over every LoRA tensor at once (one scale for the whole step)."""
+        if self.scaled is None:
+            self.torch_adamw()
+            self.scaled, _losses, _optimizer = self.train(lambda params: torch.optim.AdamW(params, **{**ADAMW, "lr": ADAMW["lr"] * (1 + SCALE_PROBE)}))
+        deviation = {name: (weights[name] - self.reference[name]).double() for name in self.lora}
+        direction = {name: (self.scaled[name] - self.reference[name]).double() for name in self.lora}
+        along = sum((deviation[name] * direction[name]).sum() for name in self.lora)
+        length = sum(direction[name].pow(2).sum() for name in self.lora)
+        fitted = (along / length).item() if length > 0 else 0.0
+        left = {name: ((deviation[name] - fitted * direction[name]).norm() / (self.reference[name] - self.start[name]).double().norm()).item()
+                for name in self.lora}
+        return fitted * SCALE_PROBE, max(left.values())
 
 
 @functools.cache
@@ -182,8 +221,15 @@ def test_bnb_optimizer_tracks_torch_adamw(under_test, optimizer):
     floor = run.rounding_floor()
     print(f"stackcheck measured: torch's fused AdamW against its default (the rounding floor) {floor:.2e}")
     judged = "represented elements" if bits == 8 else "elements"
-    scenario.assert_within(f"bitsandbytes' {optimizer} drifts from torch's AdamW over {STEPS} steps: worst LoRA tensor's relative error "
-                           f"(its {judged})", errors[name], tolerance(bits, floor))
+    limit, error, beside = tolerance(bits, floor), errors[name], ""
+    if bits == 32 and error > limit:
+        scale, left = run.step_scale(weights)
+        print(f"stackcheck measured: the uniform step scale nearest to it {scale:+.2e} (accepted up to {STEP_SCALE:.0e}); "
+              f"beside it, worst LoRA tensor's relative error {left:.2e}")
+        if abs(scale) <= STEP_SCALE:
+            error, beside = left, f" beside a uniform step scale of {scale:+.1e}"
+    scenario.assert_within(f"bitsandbytes' {optimizer} drifts from torch's AdamW over {STEPS} steps: worst LoRA tensor's relative error"
+                           f"{beside} (its {judged})", error, limit)
 
 
 def tolerance(bits: int, floor: float) -> float:
