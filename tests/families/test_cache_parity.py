@@ -33,7 +33,8 @@ A bf16 cell of the step-wise check past 0.01 is judged by bf16's rounding on its
 its own (`scenario.bf16_rounding_bound`): the same model in fp32 must decode from its cache exactly as without it
 (within 1e-4), and the bf16 cell may then differ by twice what bf16's rounding does to its full forward. Qwen3-Next
 in bf16 reads 0.0000 on this project's CPU (latest) and 0.0119 on the H100 host's CPU (both avx512_bf16; torch's bf16
-kernels differ between them): a platform-dependent new_failure before, not re-run since. Measured here with the
+kernels differ between them): a platform-dependent new_failure before; on one H100 host (2026-11-27, latest) the
+cell now passes, as the GPU lane's does. Measured here with the
 tolerance lowered to 0.001 to reach that path: multimodal Gemma 3 with its adapter, latest, fp32 twin 7.9e-7,
 bf16's rounding of the full forward 0.015, so a bound of 0.030 against the cell's 0.0047 (seed: 6.2e-7, 0.017,
 0.034 against 0.0080). transformers#45242 is a fault of the cache's logic (the shared layers' K/V), which an fp32
