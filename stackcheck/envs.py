@@ -61,11 +61,13 @@ def warm_bytecode(python: Path, workers: int, environ: dict[str, str]) -> subpro
     """One process of the set's python that imports WARM_IMPORTS, started beside a pytest run of `workers` xdist
     workers: where PYCACHE_DIR is cold (a fresh machine, a new set), they would each compile the same modules at the
     same time, for they start at once. This process starts while pytest's controller does and is ahead of them: they
-    read much of what it wrote. Measured on a fresh H100 machine (16 workers), the workers' collection cost 21.1 to
-    22.7 CPU-seconds each on a cold cache and 10.5 to 11.5 on a compiled one; compiling the whole site-packages first
-    instead (about 110 CPU-seconds, 11.5 to 15.1 s before pytest started) started the first test later. Only the
-    cache changes: a module it cannot import is skipped, and what it has not reached yet a worker compiles as before.
-    None under WARM_FROM_WORKERS workers (2 cores: a third process would compete with the two)."""
+    read much of what it wrote. Measured on a fresh H100 machine (16 workers, latest, the cache emptied before each
+    run, one call): each worker's start-up and collection cost 16.8 to 18.0 CPU-seconds without it and 13.1 to 14.8
+    with it, and the last worker had collected 20.2 s and 17.0 s after pytest started; the warmer itself cost about
+    26 CPU-seconds. Compiling the whole site-packages before pytest instead (session 18: about 110 CPU-seconds, 11.5
+    to 15.1 s before pytest started) started the first test later. Only the cache changes: a module it cannot import
+    is skipped, and what it has not reached yet a worker compiles as before. None under WARM_FROM_WORKERS workers (2
+    cores: a third process would compete with the two)."""
     if workers < WARM_FROM_WORKERS:
         return None
     code = ("import importlib\n"
