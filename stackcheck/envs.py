@@ -278,7 +278,10 @@ def cuda_device() -> str:
     driver, which torch counts and names its devices by (stackcheck.cuda_driver), without importing torch."""
     if importlib.util.find_spec("torch") is None:
         raise UsageError(f"no GPU: the Python running stackcheck ({sys.executable}) has no torch to share with the set environments")
-    torch_version = metadata.version("torch")
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:  # a torch built from source without its metadata
+        torch_version = "(version unknown)"
     if torch_version.endswith("+cpu"):
         raise UsageError(f"no GPU: torch {torch_version} on this host is built for the CPU alone")
     names = cuda_driver.device_names()
