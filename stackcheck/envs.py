@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -53,28 +54,42 @@ def bytecode_cache(environ: dict[str, str]) -> dict[str, str]:
 # stack at collection, then what families import when they run (the Trainer, trl, DeepSpeed, inductor's compiler).
 WARM_IMPORTS = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "transformers.trainer", "trl", "deepspeed",
                 "torch._inductor.compile_fx")
+# What the warmer has imported before pytest starts: the rest it imports while pytest's controller and workers start.
+WARM_BEFORE = "torch"
 # From how many xdist workers starting at once a run warms the bytecode cache beside them (`warm_bytecode`).
 WARM_FROM_WORKERS = 4
+WARM_BEFORE_TIMEOUT = 120.0
 
 
 def warm_bytecode(python: Path, workers: int, environ: dict[str, str]) -> subprocess.Popen | None:
-    """One process of the set's python that imports WARM_IMPORTS, started beside a pytest run of `workers` xdist
-    workers: where PYCACHE_DIR is cold (a fresh machine, a new set), they would each compile the same modules at the
-    same time, for they start at once. This process starts while pytest's controller does and is ahead of them: they
-    read much of what it wrote. Measured on a fresh H100 machine (16 workers, latest, the cache emptied before each
-    run, one call): each worker's start-up and collection cost 16.8 to 18.0 CPU-seconds without it and 13.1 to 14.8
-    with it, and the last worker had collected 20.2 s and 17.0 s after pytest started; the warmer itself cost about
-    26 CPU-seconds. Compiling the whole site-packages before pytest instead (session 18: about 110 CPU-seconds, 11.5
-    to 15.1 s before pytest started) started the first test later. Only the cache changes: a module it cannot import
-    is skipped, and what it has not reached yet a worker compiles as before. None under WARM_FROM_WORKERS workers (2
-    cores: a third process would compete with the two)."""
+    """One process of the set's python that imports WARM_IMPORTS into the bytecode cache, for a pytest run of
+    `workers` xdist workers: where PYCACHE_DIR is cold (a fresh machine, a new set), they would each compile the same
+    modules at the same time, for they start at once. It returns once the warmer has imported WARM_BEFORE (torch, a
+    third of what a worker imports before its first test, and the first thing it imports); the warmer goes on with
+    the rest while pytest's controller and its workers start, ahead of them. Only the cache changes: a module it
+    cannot import is skipped, and what it has not reached yet a worker compiles as before. None under
+    WARM_FROM_WORKERS workers (2 cores: a third process would compete with the two).
+
+    Measured on fresh H100 machines (16 workers, latest): each worker's start-up and collection cost 16.8 to 18.0
+    CPU-seconds with nothing warmed (20.2 s from pytest's start until the last had collected), 13.1 to 14.8 with the
+    warmer only beside them (17.0 s; the warmer 26 CPU-seconds). Compiling the whole site-packages before pytest
+    instead (session 18: about 110 CPU-seconds, 11.5 to 15.1 s before pytest started) started the first test later.
+    Where pytest's controller itself had imported torch before starting the workers (before this session), each
+    worker's cost 10.2 to 11.6: torch first and alone is what pays (docs/speed.md, session 19)."""
     if workers < WARM_FROM_WORKERS:
         return None
-    code = ("import importlib\n"
+    code = ("import importlib, os\n"
             f"for name in {WARM_IMPORTS!r}:\n"
-            "    try:\n        importlib.import_module(name)\n    except Exception:\n        pass\n")
-    return subprocess.Popen([str(python), "-c", code], cwd=REPO_ROOT, env=environ, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            "    try:\n        importlib.import_module(name)\n    except Exception:\n        pass\n"
+            f"    if name == {WARM_BEFORE!r}:\n"
+            "        print(name, flush=True)\n"
+            "        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing more to the pipe no one reads\n")
+    warmer = subprocess.Popen([str(python), "-c", code], cwd=REPO_ROOT, env=environ, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    ready, _, _ = select.select([warmer.stdout], [], [], WARM_BEFORE_TIMEOUT)
+    if ready:
+        warmer.stdout.readline()  # WARM_BEFORE imported, or the warmer ended: either way pytest starts now
+    return warmer
 
 
 class EnvBuildError(Exception):

@@ -78,7 +78,9 @@ def test_many_workers_find_the_bytecode_a_warmer_wrote_beside_them(monkeypatch, 
     assert lane.xdist_workers(["-n", "auto"]) == lane.xdist_workers(["-q"]) == 0
     environ = envs.bytecode_cache(dict(os.environ, PYTHONPYCACHEPREFIX=str(tmp_path)))
     assert envs.warm_bytecode(Path(sys.executable), envs.WARM_FROM_WORKERS - 1, environ) is None
-    monkeypatch.setattr(envs, "WARM_IMPORTS", ("stackcheck.cuda_driver", "no_such_library"))
+    monkeypatch.setattr(envs, "WARM_IMPORTS", ("no_such_library", "stackcheck.cuda_driver", "stackcheck.gpu_wait"))
+    monkeypatch.setattr(envs, "WARM_BEFORE", "stackcheck.cuda_driver")
     warmer = envs.warm_bytecode(Path(sys.executable), envs.WARM_FROM_WORKERS, environ)
+    assert list(tmp_path.rglob("cuda_driver*.pyc")), "pytest would start before the warmer imported WARM_BEFORE"
     assert warmer.wait(timeout=60) == 0  # a library it cannot import is skipped
-    assert list(tmp_path.rglob("cuda_driver*.pyc")), "the warmer wrote no bytecode for what it imported"
+    assert list(tmp_path.rglob("gpu_wait*.pyc")), "the warmer wrote no bytecode for what it imported after WARM_BEFORE"
