@@ -74,8 +74,12 @@ def warm_bytecode(python: Path, workers: int, environ: dict[str, str]) -> subpro
     CPU-seconds with nothing warmed (20.2 s from pytest's start until the last had collected), 13.1 to 14.8 with the
     warmer only beside them (17.0 s; the warmer 26 CPU-seconds). Compiling the whole site-packages before pytest
     instead (session 18: about 110 CPU-seconds, 11.5 to 15.1 s before pytest started) started the first test later.
-    Where pytest's controller itself had imported torch before starting the workers (before this session), each
-    worker's cost 10.2 to 11.6: torch first and alone is what pays (docs/speed.md, session 19)."""
+    Where pytest's controller itself had imported torch before starting the workers (until this session), each
+    worker's cost 10.2 to 11.6: torch first and alone is what pays. So torch comes first here, alone: on a slower
+    machine (each variant twice, the cache emptied before each run) each worker's cost 15.3 and 16.0 CPU-seconds
+    (medians) against 21.2 and 20.6 with the warmer only beside them and 23.3 and 23.2 with none, and the last worker
+    had collected 27.8 and 29.1 s after the command's start against 32.1 and 32.2, and 35.0 and 35.1 (docs/speed.md,
+    session 19)."""
     if workers < WARM_FROM_WORKERS:
         return None
     code = ("import importlib, os\n"
@@ -86,10 +90,22 @@ def warm_bytecode(python: Path, workers: int, environ: dict[str, str]) -> subpro
             "        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing more to the pipe no one reads\n")
     warmer = subprocess.Popen([str(python), "-c", code], cwd=REPO_ROOT, env=environ, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    ready, _, _ = select.select([warmer.stdout], [], [], WARM_BEFORE_TIMEOUT)
-    if ready:
-        warmer.stdout.readline()  # WARM_BEFORE imported, or the warmer ended: either way pytest starts now
+    try:
+        ready, _, _ = select.select([warmer.stdout], [], [], WARM_BEFORE_TIMEOUT)
+        if ready:
+            warmer.stdout.readline()  # WARM_BEFORE imported, or the warmer ended: either way pytest starts now
+    except BaseException:  # Ctrl-C while it imports: no warmer is left behind
+        stop_warming(warmer)
+        raise
     return warmer
+
+
+def stop_warming(warmer: subprocess.Popen | None) -> None:
+    """The warmer ended (killed if it still imports: pytest's run is over)."""
+    if warmer is not None:
+        warmer.kill()
+        warmer.wait()
+        warmer.stdout.close()
 
 
 class EnvBuildError(Exception):

@@ -180,9 +180,7 @@ def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[s
     try:
         return subprocess.call(command, cwd=REPO_ROOT, env=variables)
     finally:
-        if warmer is not None:
-            warmer.kill()
-            warmer.wait()
+        envs.stop_warming(warmer)
 
 
 def xdist_workers(options: list[str]) -> int:

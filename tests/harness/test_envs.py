@@ -84,3 +84,4 @@ def test_many_workers_find_the_bytecode_a_warmer_wrote_beside_them(monkeypatch, 
     assert list(tmp_path.rglob("cuda_driver*.pyc")), "pytest would start before the warmer imported WARM_BEFORE"
     assert warmer.wait(timeout=60) == 0  # a library it cannot import is skipped
     assert list(tmp_path.rglob("gpu_wait*.pyc")), "the warmer wrote no bytecode for what it imported after WARM_BEFORE"
+    envs.stop_warming(warmer)
