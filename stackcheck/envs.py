@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import re
-import select
 import shutil
 import subprocess
 import sys
@@ -48,64 +47,6 @@ def bytecode_cache(environ: dict[str, str]) -> dict[str, str]:
     variables = {name: value for name, value in environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
     variables.setdefault("PYTHONPYCACHEPREFIX", str(PYCACHE_DIR))
     return variables
-
-
-# The libraries a set's processes import, in the order an xdist worker first needs them: torch in its configure, the
-# stack at collection, then what families import when they run (the Trainer, trl, DeepSpeed, inductor's compiler).
-WARM_IMPORTS = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "transformers.trainer", "trl", "deepspeed",
-                "torch._inductor.compile_fx")
-# What the warmer has imported before pytest starts: the rest it imports while pytest's controller and workers start.
-WARM_BEFORE = "torch"
-# From how many xdist workers starting at once a run warms the bytecode cache beside them (`warm_bytecode`).
-WARM_FROM_WORKERS = 4
-WARM_BEFORE_TIMEOUT = 120.0
-
-
-def warm_bytecode(python: Path, workers: int, environ: dict[str, str]) -> subprocess.Popen | None:
-    """One process of the set's python that imports WARM_IMPORTS into the bytecode cache, for a pytest run of
-    `workers` xdist workers: where PYCACHE_DIR is cold (a fresh machine, a new set), they would each compile the same
-    modules at the same time, for they start at once. It returns once the warmer has imported WARM_BEFORE (torch, a
-    third of what a worker imports before its first test, and the first thing it imports); the warmer goes on with
-    the rest while pytest's controller and its workers start, ahead of them. Only the cache changes: a module it
-    cannot import is skipped, and what it has not reached yet a worker compiles as before. None under
-    WARM_FROM_WORKERS workers (2 cores: a third process would compete with the two).
-
-    Measured on fresh H100 machines (16 workers, latest): each worker's start-up and collection cost 16.8 to 18.0
-    CPU-seconds with nothing warmed (20.2 s from pytest's start until the last had collected), 13.1 to 14.8 with the
-    warmer only beside them (17.0 s; the warmer 26 CPU-seconds). Compiling the whole site-packages before pytest
-    instead (session 18: about 110 CPU-seconds, 11.5 to 15.1 s before pytest started) started the first test later.
-    Where pytest's controller itself had imported torch before starting the workers (until this session), each
-    worker's cost 10.2 to 11.6: torch first and alone is what pays. So torch comes first here, alone: on a slower
-    machine (each variant twice, the cache emptied before each run) each worker's cost 15.3 and 16.0 CPU-seconds
-    (medians) against 21.2 and 20.6 with the warmer only beside them and 23.3 and 23.2 with none, and the last worker
-    had collected 27.8 and 29.1 s after the command's start against 32.1 and 32.2, and 35.0 and 35.1 (docs/speed.md,
-    session 19)."""
-    if workers < WARM_FROM_WORKERS:
-        return None
-    code = ("import importlib, os\n"
-            f"for name in {WARM_IMPORTS!r}:\n"
-            "    try:\n        importlib.import_module(name)\n    except Exception:\n        pass\n"
-            f"    if name == {WARM_BEFORE!r}:\n"
-            "        print(name, flush=True)\n"
-            "        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing more to the pipe no one reads\n")
-    warmer = subprocess.Popen([str(python), "-c", code], cwd=REPO_ROOT, env=environ, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        ready, _, _ = select.select([warmer.stdout], [], [], WARM_BEFORE_TIMEOUT)
-        if ready:
-            warmer.stdout.readline()  # WARM_BEFORE imported, or the warmer ended: either way pytest starts now
-    except BaseException:  # Ctrl-C while it imports: no warmer is left behind
-        stop_warming(warmer)
-        raise
-    return warmer
-
-
-def stop_warming(warmer: subprocess.Popen | None) -> None:
-    """The warmer ended (killed if it still imports: pytest's run is over)."""
-    if warmer is not None:
-        warmer.kill()
-        warmer.wait()
-        warmer.stdout.close()
 
 
 class EnvBuildError(Exception):

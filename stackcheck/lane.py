@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, envs, results
+from stackcheck import REPO_ROOT, envs, results, warm
 from stackcheck.core.cell import Cell
 from stackcheck.models import architectures
 from stackcheck.ledger import ERROR, Ledger, family_modules, family_path
@@ -176,11 +176,11 @@ def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[s
     print("+", " ".join(command), flush=True)
     variables = envs.bytecode_cache(dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}),
                                          **{LAUNCHED_AT_ENV: repr(time.time()), RUN_ENV: run or new_run_id()}))
-    warmer = envs.warm_bytecode(python, xdist_workers(extra), variables)
+    warmer = warm.start(python, xdist_workers(extra), variables)
     try:
         return subprocess.call(command, cwd=REPO_ROOT, env=variables)
     finally:
-        envs.stop_warming(warmer)
+        warm.stop(warmer, variables)
 
 
 def xdist_workers(options: list[str]) -> int:

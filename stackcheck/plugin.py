@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from stackcheck import cuda_driver, exchange, gpu_wait, hostinfo, results
+from stackcheck import cuda_driver, exchange, gpu_wait, hostinfo, results, warm
 from stackcheck.core.cell import LOST, Cell, detail_of, lane_of
 from stackcheck.distributed import pool as rank_pool
 from stackcheck.distributed.cells import Ranks, pool_group
@@ -111,6 +111,8 @@ def pytest_configure(config: pytest.Config) -> None:
     workerinput = getattr(config, "workerinput", {})
     if WORKER_GPU_KEY in workerinput:
         os.environ["CUDA_VISIBLE_DEVICES"] = workerinput[WORKER_GPU_KEY]
+    if workerinput:
+        warm.wait_for_torch()  # before a worker first imports torch: it reads the bytecode the warmer wrote
     if WORKER_THREADS_KEY in workerinput:
         import torch
 

@@ -1,7 +1,6 @@
 """Per-set environments: the torch they get, and distinct folders for distinct sets."""
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stackcheck import envs, lane
+from stackcheck import envs
 from stackcheck.versions import default_set, resolve
 
 
@@ -68,20 +67,3 @@ def test_without_any_torch_the_package_index_chooses_and_the_note_says_so(monkey
     assert requirements == ["torch"] and not inherit
     note = envs.torch_note(default_set())
     assert note.startswith("torch for set seed: the package index's newest") and "UV_TORCH_BACKEND=cpu" in note
-
-
-def test_many_workers_find_the_bytecode_a_warmer_wrote_beside_them(monkeypatch, tmp_path):
-    """A run of several xdist workers starts one process that imports the set's libraries into the bytecode cache
-    the workers read (envs.warm_bytecode); a run of a few workers starts none."""
-    assert lane.xdist_workers(["-q", "-n", "16", "--dist", "load"]) == 16
-    assert lane.xdist_workers(["-n4"]) == lane.xdist_workers(["--numprocesses=4"]) == 4
-    assert lane.xdist_workers(["-n", "auto"]) == lane.xdist_workers(["-q"]) == 0
-    environ = envs.bytecode_cache(dict(os.environ, PYTHONPYCACHEPREFIX=str(tmp_path)))
-    assert envs.warm_bytecode(Path(sys.executable), envs.WARM_FROM_WORKERS - 1, environ) is None
-    monkeypatch.setattr(envs, "WARM_IMPORTS", ("no_such_library", "stackcheck.cuda_driver", "stackcheck.gpu_wait"))
-    monkeypatch.setattr(envs, "WARM_BEFORE", "stackcheck.cuda_driver")
-    warmer = envs.warm_bytecode(Path(sys.executable), envs.WARM_FROM_WORKERS, environ)
-    assert list(tmp_path.rglob("cuda_driver*.pyc")), "pytest would start before the warmer imported WARM_BEFORE"
-    assert warmer.wait(timeout=60) == 0  # a library it cannot import is skipped
-    assert list(tmp_path.rglob("gpu_wait*.pyc")), "the warmer wrote no bytecode for what it imported after WARM_BEFORE"
-    envs.stop_warming(warmer)
