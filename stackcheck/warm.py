@@ -13,8 +13,10 @@ session 19), each worker's start-up and collection:
 - the warmer beside the workers, nobody waiting: 13.1 to 14.8 (17.0 s), the warmer 26 CPU-seconds;
 - on a slower machine, each variant twice: torch warmed before pytest started, 15.3 and 16.0 (medians), the last
   worker collected 27.8 and 29.1 s after the command's start; the warmer beside them, 21.2 and 20.6 (32.1, 32.2 s);
-  nothing warmed, 23.3 and 23.2 (35.0, 35.1 s). torch first is what pays; waiting for it before pytest starts also
-  waits for pytest's controller, which the workers' wait here does not.
+  nothing warmed, 23.3 and 23.2 (35.0, 35.1 s). torch first is what pays;
+- on another, each twice: the workers waiting here, 14.4 and 18.1 (the last collected 21.1 and 29.2 s after the
+  command's start); torch warmed before pytest started, 11.6 and 15.0 (21.1, 29.7 s); nothing warmed, 20.0 and 20.8
+  (28.8, 31.2 s). Waiting in the workers is as fast, and the command and pytest's controller do not wait.
 Compiling the whole site-packages before pytest instead (session 18: about 110 CPU-seconds, 11.5 to 15.1 s before
 pytest started) started the first test later.
 """
