@@ -23,19 +23,34 @@ def load():
         return None
 
 
-def device_names() -> list[str] | None:
-    """The name of every device this process sees (CUDA_VISIBLE_DEVICES applied), in CUDA's order; None without a
-    driver or where it does not initialise (no device, a broken driver)."""
-    cuda = load()
+def devices(cuda) -> list[ctypes.c_int] | None:
+    """The handle of every device the driver `cuda` (from `load`) lets this process see, in CUDA's order; None where
+    it does not initialise (no device, a broken driver) or refuses one of them."""
     if cuda is None or cuda.cuInit(0) != SUCCESS:
         return None
     count = ctypes.c_int()
     if cuda.cuDeviceGetCount(ctypes.byref(count)) != SUCCESS:
         return None
-    names = []
+    handles = []
     for ordinal in range(count.value):
-        device, name = ctypes.c_int(), ctypes.create_string_buffer(256)
-        if cuda.cuDeviceGet(ctypes.byref(device), ordinal) != SUCCESS or cuda.cuDeviceGetName(name, len(name), device) != SUCCESS:
+        device = ctypes.c_int()
+        if cuda.cuDeviceGet(ctypes.byref(device), ordinal) != SUCCESS:
+            return None
+        handles.append(device)
+    return handles
+
+
+def device_names() -> list[str] | None:
+    """The name of every device this process sees (CUDA_VISIBLE_DEVICES applied), in CUDA's order; None without a
+    driver or where it does not initialise (no device, a broken driver)."""
+    cuda = load()
+    handles = devices(cuda)
+    if handles is None:
+        return None
+    names = []
+    for device in handles:
+        name = ctypes.create_string_buffer(256)
+        if cuda.cuDeviceGetName(name, len(name), device) != SUCCESS:
             return None
         names.append(name.value.decode(errors="replace"))
     return names

@@ -20,7 +20,6 @@ left as it is.
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 from stackcheck import cuda_driver
@@ -28,7 +27,6 @@ from stackcheck import cuda_driver
 WAIT_VARIABLE = "STACKCHECK_GPU_WAIT"
 BLOCK, SPIN = "block", "spin"
 CU_CTX_SCHED_BLOCKING_SYNC = 0x04
-_CUDA_SUCCESS = cuda_driver.SUCCESS
 
 
 def _driver():
@@ -39,19 +37,8 @@ def block_waits() -> int:
     """Every visible device's primary context blocks when a thread waits for it. How many devices it set: 0 without a
     driver or a device, or where the driver refused."""
     cuda = _driver()
-    if cuda is None or cuda.cuInit(0) != _CUDA_SUCCESS:
-        return 0
-    count = ctypes.c_int()
-    if cuda.cuDeviceGetCount(ctypes.byref(count)) != _CUDA_SUCCESS:
-        return 0
-    done = 0
-    for ordinal in range(count.value):
-        device = ctypes.c_int()
-        if cuda.cuDeviceGet(ctypes.byref(device), ordinal) != _CUDA_SUCCESS:
-            continue
-        if cuda.cuDevicePrimaryCtxSetFlags_v2(device, CU_CTX_SCHED_BLOCKING_SYNC) == _CUDA_SUCCESS:
-            done += 1
-    return done
+    return sum(cuda.cuDevicePrimaryCtxSetFlags_v2(device, CU_CTX_SCHED_BLOCKING_SYNC) == cuda_driver.SUCCESS
+               for device in cuda_driver.devices(cuda) or [])
 
 
 def for_a_shared_host() -> int:
