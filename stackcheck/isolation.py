@@ -10,10 +10,12 @@ error as a new failure. transformers keeps a weak reference to the HfDeepSpeedCo
 `reset_libraries` puts both back as a fresh process has them (the next `Accelerator` builds its state again from the
 environment, and finds a process group that is already up, as a second `Accelerator` of a user's script does). It is
 called after every test (stackcheck.gc_freeze) and between a warm rank's cells (stackcheck.distributed.rank); it
-imports nothing a cell did not import."""
+imports nothing a cell did not import. `leave_the_cell` does that and more, between the cells of a warm process (a rank
+pool's rank, the warm resume process of stackcheck.harness.resume_process)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -25,3 +27,24 @@ def reset_libraries() -> None:
         GradientState._reset_state()
     if "transformers.integrations.deepspeed" in sys.modules:
         sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()
+
+
+def leave_the_cell(environ: dict, cwd: str) -> None:
+    """Reset what a passed cell leaves in the process for the next one, the process group aside: accelerate's shared
+    state (the next `Accelerator` or `PartialState` builds it again from the launch's variables and finds the process
+    group initialized, as a second `Accelerator` of a user's script does), transformers' HfDeepSpeedConfig weak
+    reference, the environment, working folder and default dtype the process started with, then garbage and the CUDA
+    cache."""
+    import gc
+
+    reset_libraries()
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_default_dtype(torch.float32)
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()

@@ -44,7 +44,7 @@ from stackcheck import cuda_driver, exchange, gpu_wait, hostinfo, results, warm
 from stackcheck.core.cell import LOST, Cell, detail_of, lane_of
 from stackcheck.distributed import pool as rank_pool
 from stackcheck.distributed.cells import Ranks, pool_group
-from stackcheck.harness import axes
+from stackcheck.harness import axes, resume_process
 from stackcheck.distributed.outcome import RanksFailed, judge_ranks
 from stackcheck.models import architectures, tiny
 from stackcheck.ledger import (
@@ -131,6 +131,8 @@ def pytest_configure(config: pytest.Config) -> None:
     rank_pool.enabled()  # STACKCHECK_RANK_POOL other than 0 or 1: pytest's usage error, before anything runs
     # The pool groups' mark (pool_group), pytest-xdist's, registered here too for a run without xdist (-p no:xdist).
     config.addinivalue_line("markers", "xdist_group(name): the tests run on one xdist worker under --dist loadgroup")
+    config.addinivalue_line("markers", f"{resume_process.MARK}(resumes): the test resumes in a warm resume process where its "
+                            "parameters make resumes(params) true (stackcheck.harness.resume_process)")
     for family in config.stackcheck_ledger.families.values():
         config.addinivalue_line("markers", f"{family.id}: {family.title}")
     config.stackcheck_lanes = [lane for lane in config.getoption(LANES_OPTION).split(",") if lane]
@@ -288,6 +290,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     except LedgerError as exc:
         raise pytest.UsageError(str(exc)) from None
     kept, dropped = [], []
+    resume_groups = resume_process.groups(items)
     for item in items:
         family = family_of(item.nodeid)
         if family:
@@ -295,6 +298,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if group := pool_group(item):  # the cells that can share a warm rank pool: one xdist worker (stackcheck.schedule)
             item.add_marker(pytest.mark.xdist_group(group))
             item.stackcheck_pool_group = group
+        elif group := resume_groups.get(item.nodeid):  # the cells that can share a warm resume process: the same
+            item.add_marker(pytest.mark.xdist_group(group))
         (dropped if family and lane_of(item.nodeid) not in config.stackcheck_lanes else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)

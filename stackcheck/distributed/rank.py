@@ -33,6 +33,7 @@ from pathlib import Path
 
 from stackcheck import gpu_wait, protocol
 from stackcheck.distributed.outcome import RankOutcome, RankState
+from stackcheck.isolation import leave_the_cell
 from stackcheck.ledger import Failure
 
 STACKS_SIGNAL = signal.SIGUSR1
@@ -268,28 +269,6 @@ def pool_work(folder: Path) -> int:
         index += 1
     _leave_process_group()
     return 0
-
-
-def leave_the_cell(environ: dict, cwd: str) -> None:
-    """Reset what a passed cell leaves in the process for the next one, the process group aside: accelerate's shared
-    state (the next `Accelerator` or `PartialState` builds it again from the launch's variables and finds the process
-    group initialized, as a second `Accelerator` of a user's script does), transformers' HfDeepSpeedConfig weak
-    reference, the environment, working folder and default dtype the pool started with, then garbage and the CUDA cache."""
-    import gc
-
-    from stackcheck.isolation import reset_libraries
-
-    reset_libraries()
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(environ)
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_default_dtype(torch.float32)
-        if torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
 
 
 def fence(folder: Path, index: int, rank: int) -> bool:

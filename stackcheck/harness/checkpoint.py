@@ -1,8 +1,9 @@
 """Checkpoint: a QLoRA run through transformers' Trainer that saves checkpoints, what it did at each step, and its
-resumption from a checkpoint in a fresh process (`resume_in_fresh_process`, which runs this module as a program with
-the interpreter running the tests: the set's python). Where the fresh process raises, it writes the ledger's Failure of
-its exception, and the ResumeFailed it ends in carries it: the cell is judged by what raised there (a library's
-exception, message and frame), as a failure in the test's own process is.
+resumption from a checkpoint in another process (`resume_in_fresh_process`, which runs this module as a program with
+the interpreter running the tests, the set's python; or hands the call to a warm resume process,
+stackcheck.harness.resume_process). Where that process raises, it writes the ledger's Failure of its exception, and the
+ResumeFailed it ends in carries it: the cell is judged by what raised there (a library's exception, message and
+frame), as a failure in the test's own process is.
 
 Both processes build the same run (`qlora_trainer`): the 4-bit base, PEFT's QLoRA recipe with LoRA dropout (so the
 RNG state a checkpoint restores matters), a dataset of distinct samples the Trainer shuffles (so the batches a resume
@@ -201,33 +202,48 @@ def resume_failed(call: Path, returncode: int, output: str) -> ResumeFailed:
 
 def resume_in_fresh_process(under_test: UnderTest, checkpoint: Path, output_dir: Path, optim: str,
                             timeout: float = RESUME_TIMEOUT) -> Record:
-    """`resume` in a new process of this interpreter (the user's second `python train.py --resume`), which rebuilds
-    the architecture from its fields (a user's config.json included). Its Record."""
+    """`resume` in another process of this interpreter (the user's second `python train.py --resume`), which rebuilds
+    the architecture from its fields (a user's config.json included): a new one per call, or with the warm processes
+    on (the matrix commands), the worker's warm resume process (stackcheck.harness.resume_process), which never trains.
+    Its Record."""
+    from stackcheck.harness import resume_process
+
     call = resume_call(under_test, checkpoint, output_dir, optim)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-m", __name__, str(call)], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise resume_failed(call, done.returncode, done.stdout + done.stderr)
+    if resume_process.enabled():
+        returncode, output = resume_process.resume(call, env, timeout)
+    else:
+        done = subprocess.run([sys.executable, "-m", __name__, str(call)], cwd=REPO_ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        returncode, output = done.returncode, done.stdout + done.stderr
+    if returncode != 0:
+        raise resume_failed(call, returncode, output)
     return Record.load(output_dir / "record.pt")
+
+
+def resume_from_call(path: Path) -> None:
+    """The resume `path` (resume_call's file) asks for, its Record written where the call says; where it raises, the
+    ledger's Failure of its exception written first (for the test's process to be judged by), then raised."""
+    from stackcheck.models.architectures import Architecture
+
+    call = json.loads(path.read_text())
+    under_test = UnderTest(Architecture(**call["architecture"]), torch.device(call["device"]))
+    try:
+        record = resume(under_test, Path(call["checkpoint"]), Path(call["output_dir"]), call["optim"])
+    except Exception as exc:
+        Path(call["failure"]).write_text(json.dumps(Failure.raised_outside_pytest(exc).to_json()))
+        raise
+    record.save(Path(call["record"]))
 
 
 def main(argv: list[str]) -> int:
     import warnings
 
     from stackcheck import gpu_wait
-    from stackcheck.models.architectures import Architecture
 
     gpu_wait.follow_the_worker()
     warnings.filterwarnings("ignore")
-    call = json.loads(Path(argv[0]).read_text())
-    under_test = UnderTest(Architecture(**call["architecture"]), torch.device(call["device"]))
-    try:
-        record = resume(under_test, Path(call["checkpoint"]), Path(call["output_dir"]), call["optim"])
-    except Exception as exc:  # its Failure, for the test's process to be judged by; the traceback still goes to stderr
-        Path(call["failure"]).write_text(json.dumps(Failure.raised_outside_pytest(exc).to_json()))
-        raise
-    record.save(Path(call["record"]))
+    resume_from_call(Path(argv[0]))  # the traceback of what it raises goes to stderr
     return 0
 
 

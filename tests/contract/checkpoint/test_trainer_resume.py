@@ -3,7 +3,11 @@ continues exactly as the run that was never interrupted.
 
 The user's journey: `Trainer(...).train()` on a 4-bit base with a LoRA adapter saves `checkpoint-2` (the adapter,
 the optimizer's state, the learning-rate scheduler's, the RNG states, the trainer state); the job dies; a new process
-builds the same run and calls `trainer.train(resume_from_checkpoint="checkpoint-2")`.
+builds the same run and calls `trainer.train(resume_from_checkpoint="checkpoint-2")`. Fresh means a process that never
+trained: it holds nothing of the run but what the checkpoint holds. Plain pytest starts a new one for each cell; the
+matrix commands hand the resume to the worker's warm resume process, which imported the libraries once and resumed
+other cells before (stackcheck.harness.resume_process; tests/harness/test_resume_process.py: the same Record, bit for
+bit, as a new process).
 
 The property, against the same run trained 4 steps in one go: the resumed process begins at the checkpoint's step
 with the checkpoint's adapter and a loaded (non-empty) optimizer state; the losses of steps 3 and 4 (the next step's
@@ -96,17 +100,26 @@ def worst(errors: dict[str, float]) -> tuple[str, float]:
     return max(errors.items(), key=lambda item: item[1]) if errors else ("nothing", float("inf"))
 
 
+def cpu_cell_picked(name: str, optim: str) -> bool:
+    return (name, optim) in CPU_CELLS if name in architectures.builtin() else optim == "adamw_torch"
+
+
+def resumes(params: dict) -> bool:
+    """Whether the cell of these parameters resumes (the CPU lane's pick and every GPU cell): the cells that share a
+    warm resume process (stackcheck.harness.resume_process)."""
+    return params["lane"] != "cpu" or cpu_cell_picked(params["arch"].name, params["optim"])
+
+
 def require_cpu_cell(under_test, optim) -> None:
     if under_test.device.type != "cpu":
         return
-    name = under_test.arch.name
-    picked = (name, optim) in CPU_CELLS if name in architectures.builtin() else optim == "adamw_torch"
-    if not picked:
+    if not cpu_cell_picked(under_test.arch.name, optim):
         pytest.skip(f"CPU lane: the fresh-process resume runs on {', '.join('-'.join(cell) for cell in sorted(CPU_CELLS))} "
                     "(and with adamw_torch on an architecture that is not built in)")
 
 
 @pytest.mark.axes(optim=OPTIMS)
+@pytest.mark.resume_process.with_args(resumes)
 def test_resume_in_a_fresh_process_continues_the_run(under_test, optim, tmp_path):
     require_cpu_cell(under_test, optim)
     reference = checkpoint.run_uninterrupted(under_test, tmp_path / "run", optim)
