@@ -450,7 +450,7 @@ def test_a_resume_in_a_fresh_process_is_judged_by_what_raised_there(ledger, vers
     failure = caught(reraise, checkpoint.resume_failed(call, 1, capsys.readouterr().err))
     assert (failure.exception_type, failure.message) == ("ValueError", f"Can't find a valid checkpoint at {missing}")
     assert failure.raising_frame == "transformers/trainer.py:_load_from_checkpoint"
-    assert failure.frames[1:4] == ("tests/harness/test_ledger.py:reraise", "stackcheck/harness/checkpoint.py:main",
+    assert failure.frames[1:4] == ("tests/harness/test_ledger.py:reraise", "stackcheck/harness/checkpoint.py:resume_from_call",
                                    "stackcheck/harness/checkpoint.py:resume")  # below `caught`: the test's process
     assert str(failure_report := checkpoint.resume_failed(call, 1, "")).splitlines()[0] == \
         f"the resuming process exited with 1: {failure.signature()}", failure_report
