@@ -6,8 +6,17 @@ fixes the device type, and a later one that asks for another raises (`Accelerato
 and cannot be changed, restart your runtime completely and pass cpu=True to Accelerator()`). Measured on a GPU host,
 where one worker runs GPU-lane and CPU-lane cells: every CPU-lane GRPO cell that followed a GPU-lane Trainer read that
 error as a new failure. transformers keeps a weak reference to the HfDeepSpeedConfig of the last DeepSpeed run.
+torch's dynamo keeps what it compiled per code object for the life of the process, and every model's forward goes
+through one shared frame (transformers' `utils/generic.py` output-capturing `wrapper`), so the second model a process
+compiles (generate's static cache compiles the decode step on a GPU) is a recompile of that frame, not the first
+compile a user's process does; past dynamo's recompile limit (8) a later model would decode uncompiled. Measured on one
+H100 (latest, 2026-11-27, three runs): each of the four cached_decoding static bf16 cells that followed another on its
+worker took 35 to 70 s, 22 to 49 CPU-seconds of it in child processes (inductor's C++ toolchain: cc1plus, a
+`cdll.LoadLibrary` check per vector ISA), against 6 to 20 s and about 1 CPU-second in children for the cells that came
+first (multimodal Gemma 3's, which compiles twice, 46 to 60 s). On the CPU (compile forced, Qwen3 then Llama 3), the
+second model's compile is dynamo's frame 0/1, a recompile, without a reset, and 0/0 with one.
 
-`reset_libraries` puts both back as a fresh process has them (the next `Accelerator` builds its state again from the
+`reset_libraries` puts them back as a fresh process has them (the next `Accelerator` builds its state again from the
 environment, and finds a process group that is already up, as a second `Accelerator` of a user's script does). It is
 called after every test (stackcheck.gc_freeze) and between a warm rank's cells (stackcheck.distributed.rank); it
 imports nothing a cell did not import. `leave_the_cell` does that and more, between the cells of a warm process (a rank
@@ -27,6 +36,8 @@ def reset_libraries() -> None:
         GradientState._reset_state()
     if "transformers.integrations.deepspeed" in sys.modules:
         sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()
+    if "torch._dynamo" in sys.modules:  # what dynamo compiled, and its CUDA graphs: the next cell compiles afresh
+        sys.modules["torch._dynamo"].reset()
 
 
 def leave_the_cell(environ: dict, cwd: str) -> None:

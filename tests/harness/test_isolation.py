@@ -42,3 +42,30 @@ def test_the_next_test_finds_no_accelerate_state_and_no_garbage_of_the_last(tmp_
                           "-p", "no:xdist", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0 and "2 passed" in run.stdout, textwrap.shorten(run.stdout + run.stderr, 3000)
+
+
+def test_the_next_cell_compiles_afresh_not_as_a_recompile():
+    """Every model's forward goes through one shared frame (transformers' output-capturing wrapper): a second model
+    compiled in the process is a second entry of that frame's cache, a recompile, unless dynamo was reset; after
+    reset_libraries the frame holds nothing and the next model's compile is its first entry."""
+    import torch
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from stackcheck.isolation import reset_libraries
+
+    def wrapper(forward, x):  # the shared frame
+        return forward(x) + 1
+
+    def entries() -> int:
+        return len(_debug_get_cache_entry_list(wrapper.__code__))
+
+    x = torch.ones(3)
+    try:
+        torch.compile(wrapper, backend="eager")(torch.sin, x)
+        torch.compile(wrapper, backend="eager")(torch.cos, x)
+        assert entries() == 2, f"scenario not reached: two functions through the frame left {entries()} compiled entries"
+        reset_libraries()
+        assert entries() == 0, f"reset_libraries left {entries()} compiled entries of the shared frame"
+        assert torch.equal(torch.compile(wrapper, backend="eager")(torch.tan, x), torch.tan(x) + 1) and entries() == 1
+    finally:
+        torch._dynamo.reset()
