@@ -118,8 +118,9 @@ def _parser() -> argparse.ArgumentParser:
 
     for name, what in (("matrix", "the CPU lane of every family"), ("gpu-matrix", "the GPU and CPU lanes of every family")):
         matrix = commands.add_parser(name, help=f"run {what} on each set and write the report; its two-rank cells run on "
-                                                "warm rank pools, each pool group on one xdist worker (STACKCHECK_RANK_POOL=0: one "
-                                                "launch per cell; docs/speed.md)")
+                                                "warm rank pools, each pool group on one xdist worker, and trainer_resume's "
+                                                "resumes on a warm resume process (STACKCHECK_RANK_POOL=0: a new process for "
+                                                "each; docs/speed.md)")
         add_set_options(matrix, many=True)
         matrix.add_argument("--arch", action=inputs.ListOption, help=ARCH_HELP)
         matrix.add_argument("--families", action=inputs.ListOption, help="comma-separated families (default: all)")
@@ -128,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
         matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
 
     tests = commands.add_parser("tests", help="the harness's own tests plus the CPU lane on one set (one launch per two-rank cell; "
-                                                 "STACKCHECK_RANK_POOL=1: warm rank pools)")
+                                                 "STACKCHECK_RANK_POOL=1: warm rank pools and resume process)")
     add_set_options(tests, many=False)
     tests.add_argument("--arch", action=inputs.ListOption,
                        help=ARCH_HELP.replace("Default: every built-in one", f"Default: {architectures.SEED_ARCHITECTURE} alone"))

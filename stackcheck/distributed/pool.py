@@ -24,7 +24,8 @@ starts a fresh one; so does a pool whose job ended. At most MAX_POOLS stay warm 
 and every pool is torn down when the process exits; a pool whose owner died (a crashed or interrupted pytest) ends
 itself within a second.
 
-The matrix commands run their pytest children with pools on unless STACKCHECK_RANK_POOL=0; plain pytest and the
+The matrix commands run their pytest children with pools on unless STACKCHECK_RANK_POOL=0 (the same switch puts
+trainer_resume's resumes on a warm process: stackcheck.harness.resume_process); plain pytest and the
 harness's tests (`stackcheck tests`, CI) keep one launch per cell unless STACKCHECK_RANK_POOL=1. A warm rank is not
 a fresh one: see docs/speed.md, "A warm rank pool", for what it cuts, what it measured, and what it still misses.
 Under xdist every worker has its own pools, so the cells that share a pool's `group` (engine, world size, lane) carry
@@ -70,7 +71,8 @@ def setting(default: bool = False) -> bool:
     SettingError."""
     value = os.environ.get(POOL_ENV, "")
     if value not in ("", "0", "1"):
-        raise SettingError(f"{POOL_ENV}={value!r}: 1 runs the two-rank cells on warm rank pools, 0 launches each cell")
+        raise SettingError(f"{POOL_ENV}={value!r}: 1 runs the two-rank cells on warm rank pools and trainer_resume's "
+                           "resumes on a warm process, 0 starts a new process for each")
     return default if value == "" else value == "1"
 
 

@@ -168,7 +168,8 @@ def test_matrix_results_that_is_a_folder(command, tmp_path, capsys, no_environme
 def test_a_rank_pool_switch_other_than_0_or_1_is_one_line(command, tmp_path, capsys, monkeypatch, no_environments):
     monkeypatch.setenv("STACKCHECK_RANK_POOL", "yes")
     line = one_usage_line(cli.main([command, "--sets", "seed", *(["--results", str(tmp_path / "m.json")] if command != "tests" else [])]), capsys)
-    assert line == ("stackcheck: STACKCHECK_RANK_POOL='yes': 1 runs the two-rank cells on warm rank pools, 0 launches each cell")
+    assert line == ("stackcheck: STACKCHECK_RANK_POOL='yes': 1 runs the two-rank cells on warm rank pools and trainer_resume's "
+                    "resumes on a warm process, 0 starts a new process for each")
 
 
 @pytest.mark.parametrize("text, message", [("{", "cannot read"), ('{"sets": [], "cells": []}', "`sets` is not an object")],
