@@ -298,7 +298,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if group := pool_group(item):  # the cells that can share a warm rank pool: one xdist worker (stackcheck.schedule)
             item.add_marker(pytest.mark.xdist_group(group))
             item.stackcheck_pool_group = group
-        elif group := resume_groups.get(item.nodeid):  # the cells that can share a warm resume process: the same
+        elif group := resume_groups.get(item.nodeid):  # the cells that can share a warm resume process: one worker too
             item.add_marker(pytest.mark.xdist_group(group))
         (dropped if family and lane_of(item.nodeid) not in config.stackcheck_lanes else kept).append(item)
     if dropped:

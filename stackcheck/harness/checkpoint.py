@@ -26,6 +26,7 @@ import torch
 
 from stackcheck import REPO_ROOT
 from stackcheck.ledger import Failure
+from stackcheck.harness import resume_process
 from stackcheck.harness.load import first_nested_linear4bit
 from stackcheck.harness.subject import UnderTest
 from stackcheck.harness.train import TRAINING_IDS, kbit_lora_model, load_base_in, lora_parameters
@@ -206,8 +207,6 @@ def resume_in_fresh_process(under_test: UnderTest, checkpoint: Path, output_dir:
     the architecture from its fields (a user's config.json included): a new one per call, or with the warm processes
     on (the matrix commands), the worker's warm resume process (stackcheck.harness.resume_process), which never trains.
     Its Record."""
-    from stackcheck.harness import resume_process
-
     call = resume_call(under_test, checkpoint, output_dir, optim)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     if resume_process.enabled():
