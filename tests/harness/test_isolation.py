@@ -69,3 +69,32 @@ def test_the_next_cell_compiles_afresh_not_as_a_recompile():
         assert torch.equal(torch.compile(wrapper, backend="eager")(torch.tan, x), torch.tan(x) + 1) and entries() == 1
     finally:
         torch._dynamo.reset()
+
+
+def test_a_warm_process_destroys_the_deepspeed_engines_a_cell_left(monkeypatch):
+    """DeepSpeed engines outlive their cell in a warm rank (hooks' closures hold them) with their buffers: between
+    cells each is destroyed once, as accelerate's free_memory does. A stand-in for deepspeed.runtime.engine (the real
+    one needs a process group and takes seconds): what is checked is which live objects get destroy() and how often."""
+    import types
+
+    from stackcheck.isolation import release_deepspeed_engines
+
+    class DeepSpeedEngine:
+        def __init__(self):
+            self.destroyed = 0
+
+        def destroy(self):
+            self.destroyed += 1
+
+    class Failing(DeepSpeedEngine):
+        def destroy(self):
+            super().destroy()
+            raise RuntimeError("destroy failed")
+
+    monkeypatch.setitem(sys.modules, "deepspeed.runtime.engine", types.SimpleNamespace(DeepSpeedEngine=DeepSpeedEngine))
+    held = [Failing(), DeepSpeedEngine()]  # held as a hook's closure holds them
+    assert release_deepspeed_engines() == 2 and [engine.destroyed for engine in held] == [1, 1], (
+        "a live engine was not destroyed, or one that raised stopped the others")
+    held.append(DeepSpeedEngine())  # the next cell's
+    assert release_deepspeed_engines() == 1 and [engine.destroyed for engine in held] == [1, 1, 1], (
+        "an engine was destroyed twice")
