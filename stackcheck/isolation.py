@@ -6,6 +6,13 @@ fixes the device type, and a later one that asks for another raises (`Accelerato
 and cannot be changed, restart your runtime completely and pass cpu=True to Accelerator()`). Measured on a GPU host,
 where one worker runs GPU-lane and CPU-lane cells: every CPU-lane GRPO cell that followed a GPU-lane Trainer read that
 error as a new failure. transformers keeps a weak reference to the HfDeepSpeedConfig of the last DeepSpeed run.
+
+DeepSpeed's ZeRO-3 pushes each engine's model onto a module-level stack (`parameter_offload.FWD_MODULE_STACK`) and
+never pops it: a later cell's engine would search every earlier cell's model for its external parameters (by `id`,
+which Python reuses). On this machine the stack was the first holder found of a warm ZeRO-3 rank's earlier engines;
+emptied, they still lived on (held from outside Python's view, autograd hooks most likely), which
+`release_deepspeed_engines` deals with.
+
 torch's dynamo keeps what it compiled per code object for the life of the process, and every model's forward goes
 through one shared frame (transformers' `utils/generic.py` output-capturing `wrapper`), so the second model a process
 compiles (generate's static cache compiles the decode step on a GPU) is a recompile of that frame, not the first
@@ -39,6 +46,9 @@ def reset_libraries() -> None:
         sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()
     if "torch._dynamo" in sys.modules:  # what dynamo compiled, and its CUDA graphs: the next cell compiles afresh
         sys.modules["torch._dynamo"].reset()
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None and getattr(offload, "FWD_MODULE_STACK", None):  # empty in a fresh process
+        offload.FWD_MODULE_STACK.clear()
 
 
 def leave_the_cell(environ: dict, cwd: str) -> None:
@@ -66,8 +76,9 @@ def leave_the_cell(environ: dict, cwd: str) -> None:
 def release_deepspeed_engines() -> int:
     """Destroy every DeepSpeed engine a cell left alive in a warm process, as accelerate's `free_memory` does between
     two trainings of one script (`DeepSpeedEngine.destroy`: ZeRO-3's hooks removed, its gradient buckets released).
-    A user's job ends with its process; in a warm rank the engines stay referenced (from closures) and pile up. On
-    this machine a ZeRO-3 rank held 1, then 2 live engines after its first two cells; on two H100s (latest, every
+    A user's job ends with its process; in a warm rank the engines stayed referenced (ZeRO-3's module stack, which
+    reset_libraries empties, was one holder; with it empty they still lived) and piled up. On this machine a ZeRO-3
+    rank held 1, then 2 live engines after its first two cells; on two H100s (latest, every
     family, 32 workers, 2026-11-27) the two ZeRO-3 pools' first ranks held 17.0 and 18.5 GiB of GPU 0 and cells
     elsewhere ran out of memory (13 new_failure, 4 error; one of them asked DeepSpeed for 1.86 GiB). How many it
     destroyed; a destroy that raises is reported on stderr (the rank's log) and the others are destroyed still."""

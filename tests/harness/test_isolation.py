@@ -98,3 +98,16 @@ def test_a_warm_process_destroys_the_deepspeed_engines_a_cell_left(monkeypatch):
     held.append(DeepSpeedEngine())  # the next cell's
     assert release_deepspeed_engines() == 1 and [engine.destroyed for engine in held] == [1, 1, 1], (
         "an engine was destroyed twice")
+
+
+def test_the_next_cell_finds_zero3s_module_stack_empty(monkeypatch):
+    """ZeRO-3 pushes each engine's model onto parameter_offload.FWD_MODULE_STACK and never pops it; a fresh process
+    starts with it empty, and so does the next cell after reset_libraries. A stand-in module, as above."""
+    import types
+
+    from stackcheck.isolation import reset_libraries
+
+    stack = [object()]  # an earlier cell's model
+    monkeypatch.setitem(sys.modules, "deepspeed.runtime.zero.parameter_offload", types.SimpleNamespace(FWD_MODULE_STACK=stack))
+    reset_libraries()
+    assert stack == [], "the earlier cell's model is still on ZeRO-3's module stack"
