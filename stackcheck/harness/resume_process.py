@@ -7,8 +7,8 @@ checkpoint holds. A warm process never trained either: it starts as the per-cell
 interpreter, `python -m`, the same environment and working folder, waiting on the GPU as its worker does), imports the
 libraries once, and for each cell builds the run from the cell's call file and resumes it (checkpoint.resume_from_call,
 the code the per-cell process runs). Between two cells it resets what a cell leaves in a process
-(isolation.leave_the_cell: accelerate's shared state, the environment, the working folder, the default dtype, garbage
-and the CUDA cache); the Trainer seeds the RNGs when it is built and a resume then loads the checkpoint's RNG states,
+(isolation.leave_the_cell: accelerate's, dynamo's and DeepSpeed's process-wide state, the environment, the working
+folder, the default dtype, garbage and the CUDA cache); the Trainer seeds the RNGs when it is built and a resume then loads the checkpoint's RNG states,
 so no cell's RNG depends on the cells before it. A cell that raises there ends the process (its Failure is written
 first, as the per-cell process writes it), and so does one that outlives the timeout (killed); the next cell of that
 worker starts a new one. The guard (tests/harness/test_resume_process.py) resumes one checkpoint in a per-cell process
