@@ -29,14 +29,10 @@ BLOCK, SPIN = "block", "spin"
 CU_CTX_SCHED_BLOCKING_SYNC = 0x04
 
 
-def _driver():
-    return cuda_driver.load()
-
-
 def block_waits() -> int:
     """Every visible device's primary context blocks when a thread waits for it. How many devices it set: 0 without a
     driver or a device, or where the driver refused."""
-    cuda = _driver()
+    cuda = cuda_driver.load()
     return sum(cuda.cuDevicePrimaryCtxSetFlags_v2(device, CU_CTX_SCHED_BLOCKING_SYNC) == cuda_driver.SUCCESS
                for device in cuda_driver.devices(cuda) or [])
 

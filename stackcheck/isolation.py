@@ -31,6 +31,7 @@ pool's rank, the warm resume process of stackcheck.harness.resume_process)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import weakref
@@ -55,16 +56,14 @@ def leave_the_cell(environ: dict, cwd: str) -> None:
     """Reset what a passed cell leaves in the process for the next one, the process group aside: accelerate's shared
     state (the next `Accelerator` or `PartialState` builds it again from the launch's variables and finds the process
     group initialized, as a second `Accelerator` of a user's script does), transformers' HfDeepSpeedConfig weak
-    reference, the DeepSpeed engines the cell left alive (release_deepspeed_engines), the environment, working folder
-    and default dtype the process started with, then garbage and the CUDA cache."""
-    import gc
-
+    reference, then garbage and the DeepSpeed engines the cell left alive (release_deepspeed_engines), the
+    environment, working folder and default dtype the process started with, and the CUDA cache."""
     reset_libraries()
-    release_deepspeed_engines()
+    gc.collect()
+    release_deepspeed_engines()  # destroy() drops the buffers' last references: no second collection
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
-    gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_default_dtype(torch.float32)
@@ -85,9 +84,6 @@ def release_deepspeed_engines() -> int:
     engine_module = sys.modules.get("deepspeed.runtime.engine")
     if engine_module is None:
         return 0
-    import gc
-
-    gc.collect()
     engines = [thing for thing in gc.get_objects()
                if isinstance(thing, engine_module.DeepSpeedEngine) and thing not in _DESTROYED]
     for engine in engines:

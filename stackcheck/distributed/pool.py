@@ -111,7 +111,13 @@ _pools: OrderedDict[tuple, Pool] = OrderedDict()
 
 def key_of(world_size: int, engine: str | None, lane: str, engine_options: dict | None, env: dict) -> tuple:
     return (sys.executable, group(engine, world_size, lane), json.dumps(engine_options, sort_keys=True, default=str),
-            tuple(sorted((name, value) for name, value in env.items() if name not in VOLATILE_ENV)))
+            lasting_environment(env))
+
+
+def lasting_environment(env: dict) -> tuple:
+    """`env` without the variables that change from test to test (VOLATILE_ENV): the part of a warm process's key
+    (a pool's, the warm resume process's) that its environment gives."""
+    return tuple(sorted((name, value) for name, value in env.items() if name not in VOLATILE_ENV))
 
 
 def start(key: tuple, world_size: int, engine: str | None, lane: str, engine_options: dict | None, env: dict) -> Pool:

@@ -38,8 +38,6 @@ from pathlib import Path
 
 from stackcheck import REPO_ROOT
 
-# The variables that change from test to test without changing the process (as stackcheck.distributed.pool's).
-VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
 # The cells of one lane that share an xdist group (so one warm process): few enough that a group's cells, in turn on
 # one worker, stay shorter than the run (on one H100 a GPU cell takes 13 to 25 s with a per-cell process).
 CELLS_PER_GROUP = 5
@@ -88,7 +86,9 @@ _warm: dict[tuple, Warm] = {}
 
 
 def key_of(env: dict) -> tuple:
-    return (sys.executable, tuple(sorted((name, value) for name, value in env.items() if name not in VOLATILE_ENV)))
+    from stackcheck.distributed.pool import lasting_environment
+
+    return (sys.executable, lasting_environment(env))
 
 
 def start(key: tuple, env: dict) -> Warm:

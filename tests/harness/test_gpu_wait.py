@@ -40,7 +40,7 @@ class Driver:
 @pytest.fixture
 def driver(monkeypatch):
     fake = Driver(devices=2)
-    monkeypatch.setattr(gpu_wait, "_driver", lambda: fake)
+    monkeypatch.setattr(cuda_driver, "load", lambda: fake)
     monkeypatch.setenv(gpu_wait.WAIT_VARIABLE, "")  # restored after the test, whatever the module sets
     monkeypatch.delenv(gpu_wait.WAIT_VARIABLE)
     return fake
@@ -63,9 +63,9 @@ def test_spin_kept_where_asked_and_a_lone_process_follows_no_worker(driver, monk
 
 
 def test_no_driver_no_device(monkeypatch):
-    monkeypatch.setattr(gpu_wait, "_driver", lambda: None)
+    monkeypatch.setattr(cuda_driver, "load", lambda: None)
     assert gpu_wait.block_waits() == 0
-    monkeypatch.setattr(gpu_wait, "_driver", lambda: Driver(devices=0))
+    monkeypatch.setattr(cuda_driver, "load", lambda: Driver(devices=0))
     assert gpu_wait.block_waits() == 0
 
 
