@@ -266,10 +266,10 @@ def adapter_exchange(request: pytest.FixtureRequest, arch) -> exchange.AdapterEx
 
 
 @pytest.fixture
-def ranks(request: pytest.FixtureRequest, lane: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Ranks:
+def ranks(request: pytest.FixtureRequest, lane: str, tmp_path: Path) -> Ranks:
     """Launches the test's distributed job (stackcheck.distributed): `ranks("module:function", world_size,
     engine)`. Each rank's outcome goes into the cell; a rank that did not pass fails the test with all of them."""
-    return Ranks(request.node, lane, tmp_path, tmp_path_factory.getbasetemp() / "ranks-shared")
+    return Ranks(request.node, lane, tmp_path)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -k/-m deselect: the ledger is checked against everything collected

@@ -63,21 +63,20 @@ def every_cpu_variant() -> bool:
 class Ranks:
     """Launches one job for a cell, and leaves every rank's outcome on the test item for the plugin to record."""
 
-    def __init__(self, node: pytest.Item, lane: str, workdir: Path, shared: Path):
-        self.node, self.lane, self.workdir, self.shared = node, lane, workdir, shared
+    def __init__(self, node: pytest.Item, lane: str, workdir: Path):
+        self.node, self.lane, self.workdir = node, lane, workdir
 
     def deepspeed_config(self, config: dict) -> Path:
-        """The cell's DeepSpeed JSON, written where every DeepSpeed cell of this process writes its own (SHARED), with a
-        copy in the cell's folder. `accelerate launch` passes the file's path to the ranks (ACCELERATE_DEEPSPEED_CONFIG_FILE)
-        and never reads it; the ranks' Accelerator reads it when the cell builds one. So cells of other configs launch
-        alike and share a warm pool, each reading its own config, as a launch of its own would: engine_accumulation's
-        12 one-GPU cells had started 12 pools, each rank's start-up 14 to 21 CPU-seconds on one H100 (docs/speed.md).
-        A family proves the engine it got on every rank (its stage, precision, accumulation, offload)."""
-        text = json.dumps(config, indent=1)  # a process's cells run one after another: no rank reads it while it changes
-        for folder in (self.shared, self.workdir):
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "ds_config.json").write_text(text)
-        return self.shared / "ds_config.json"
+        """The cell's DeepSpeed JSON (a user's ds_config.json), written in the cell's folder, for its engine options'
+        `deepspeed_config_file`. `accelerate launch` passes the file's path to the ranks (ACCELERATE_DEEPSPEED_CONFIG_FILE)
+        and never reads it; the ranks' Accelerator reads it when the cell builds one. So on a warm pool the path is one
+        more variable of the cell (launcher.options_environment), and cells of other configs share the engine's pool,
+        each reading its own config, as a launch of its own would. A family proves the engine it got on every rank (its
+        stage, precision, accumulation, offload)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        path = self.workdir / "ds_config.json"
+        path.write_text(json.dumps(config, indent=1))
+        return path
 
     def __call__(self, target: str, world_size: int, engine: str | None = None, timeout: float = DEFAULT_TIMEOUT,
                  gpu_only: str | None = None, cpu_costly: str | None = None, engine_options: dict | None = None,

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from stackcheck.distributed import launcher
 from stackcheck.distributed.cells import Ranks
 from stackcheck.distributed.outcome import RanksFailed, RankState
 
@@ -33,18 +34,23 @@ def break_the_ranks(monkeypatch, tmp_path, patch: str) -> None:
 
 
 def ranks_for(tmp_path) -> Ranks:
-    return Ranks(SimpleNamespace(), "cpu", tmp_path / "ranks", tmp_path / "shared")
+    return Ranks(SimpleNamespace(), "cpu", tmp_path / "ranks")
 
 
-def test_deepspeed_cells_launch_with_one_config_path_each_holding_its_own(tmp_path):
-    """Two cells of other DeepSpeed configs in one process launch with the same file (so their launches, and a warm
-    pool's key, are alike), which holds the running cell's config; each cell's folder keeps a copy of its own."""
-    first, second = Ranks(SimpleNamespace(), "gpu", tmp_path / "a", tmp_path / "shared"), Ranks(SimpleNamespace(), "gpu", tmp_path / "b", tmp_path / "shared")
-    path = first.deepspeed_config({"zero_optimization": {"stage": 1}})
-    assert json.loads(path.read_text()) == {"zero_optimization": {"stage": 1}}
-    assert second.deepspeed_config({"zero_optimization": {"stage": 2}}) == path
-    assert json.loads(path.read_text()) == {"zero_optimization": {"stage": 2}}
-    assert [json.loads((tmp_path / cell / "ds_config.json").read_text())["zero_optimization"]["stage"] for cell in "ab"] == [1, 2]
+@pytest.mark.parametrize("lane", ["cpu", "gpu"])
+def test_deepspeed_cells_of_other_configs_share_the_engines_pool(tmp_path, lane):
+    """Two cells of other DeepSpeed configs each write their own file, and on a warm pool each differs from the
+    engine's own launch by variables only (accelerate's own launcher code says so: it passes the file's path and never
+    reads it), the cell's path among them: both run on the engine's pool, each reading its own config."""
+    first, second = Ranks(SimpleNamespace(), lane, tmp_path / "a"), Ranks(SimpleNamespace(), lane, tmp_path / "b")
+    paths = [first.deepspeed_config({"zero_optimization": {"stage": 1}}), second.deepspeed_config({"zero_optimization": {"stage": 3}})]
+    assert [json.loads(path.read_text())["zero_optimization"]["stage"] for path in paths] == [1, 3]
+    assert paths == [tmp_path / cell / "ds_config.json" for cell in "ab"]
+    env = launcher.job_environment(lane)
+    for path, stage3 in zip(paths, (False, True)):
+        overlay = launcher.options_environment("zero", {"deepspeed_config_file": str(path), "zero3_init_flag": stage3}, 1, env, path.parent)
+        assert overlay is not None, "the cell's config changes more than its ranks' variables: it would start a pool of its own"
+        assert overlay["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == str(path)
 
 
 def failures(excinfo) -> list[str]:

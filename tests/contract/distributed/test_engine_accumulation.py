@@ -230,6 +230,6 @@ def ranks_spread(update: dict[str, torch.Tensor]) -> float:
 def test_accumulated_micro_batches_update_as_one_batch(ranks, world_size, cell):
     tiny.base_checkpoint(architectures.builtin()[ARCHITECTURE])  # built once here, before the ranks read it
     engine = ENGINES[cell]
-    config = ranks.deepspeed_config(engine.deepspeed_config())  # the one path this worker's DeepSpeed cells launch with
+    config = ranks.deepspeed_config(engine.deepspeed_config())  # the cell's own file; a warm pool gets its path as a variable
     ranks(f"{MODULE}:accumulated_step", world_size, engine="zero", cpu_costly=None if cell == DEFAULT_CPU_CELL else CPU_COSTLY,
           engine_options={"deepspeed_config_file": str(config), "zero3_init_flag": engine.stage == 3}, cell=cell, launched=world_size)
