@@ -162,7 +162,6 @@ class Run:
             self.floor = max(update_errors(self, fused).values())
         return self.floor
 
-
     def step_scale(self, weights: dict[str, torch.Tensor]) -> tuple[float, float]:
         """The uniform scale of every step that brings torch's AdamW nearest to `weights`, and the worst LoRA tensor's
         relative error (against the way it moved) left beside it. The direction such a scale moves the weights in is
