@@ -18,6 +18,6 @@ def offload_dir(tmp_path):
 
 @pytest.fixture
 def prompt(device):
-    from stackcheck import scenario
+    from stackcheck.harness import scenario
 
     return scenario.prompt(device)

@@ -9,8 +9,8 @@ import nox
 
 sys.path.insert(0, str(Path(__file__).parent))
 from stackcheck import cli  # noqa: E402
-from stackcheck.report import browser  # noqa: E402
-from stackcheck.versions import UsageError, every_set  # noqa: E402
+from stackcheck.commands.report import browser  # noqa: E402
+from stackcheck.core.versions import UsageError, every_set  # noqa: E402
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "uv"
@@ -76,7 +76,7 @@ except UsageError as exc:  # `nox -l` still lists the other sessions, and says w
 def docs(session: nox.Session) -> None:
     """Regenerate docs/commands.md and docs/families.md (checked current by the tests); `-- --screenshots` redraws docs/report/*.png."""
     session.install("--quiet", "-e", ".[report,browser]")
-    session.run("python", "-m", "stackcheck.docgen", *session.posargs)
+    session.run("python", "-m", "stackcheck.commands.docgen", *session.posargs)
 
 
 @nox.session(venv_backend="none")

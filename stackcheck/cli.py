@@ -11,19 +11,22 @@ import time
 import traceback
 from pathlib import Path
 
-from stackcheck import REPO_ROOT, envs, exitcodes, gate, inputs, report, results, wheelhouse
+from stackcheck import REPO_ROOT
+from stackcheck.runner import envs, exitcodes, inputs, wheelhouse
+from stackcheck.commands import gate, report
+from stackcheck.core import results
 from stackcheck.bench import compare as bench_compare, report as bench_report
-from stackcheck.releases import bisect, history
-from stackcheck.releases.probes import DEFAULT_STORE
-from stackcheck.triage import doctor, repro, scan
-from stackcheck.releases import watch as watch_module
+from stackcheck.commands.releases import bisect, history
+from stackcheck.commands.releases.probes import DEFAULT_STORE
+from stackcheck.commands.triage import doctor, repro, scan
+from stackcheck.commands.releases import watch as watch_module
 from stackcheck.core.cell import Cell
-from stackcheck.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, build_all, check_ledger, family_targets, new_run_id, named_paths, parallel_options, rank_pools, run_pytest
-from stackcheck.ledger import Ledger, LedgerError
-from stackcheck.protocol import ARCH_OPTION, DEFAULT_RESULTS, RESULTS_DIR, option
-from stackcheck.progress import Progress
+from stackcheck.runner.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, build_all, check_ledger, family_targets, new_run_id, named_paths, parallel_options, rank_pools, run_pytest
+from stackcheck.core.ledger import Ledger, LedgerError
+from stackcheck.core.protocol import ARCH_OPTION, DEFAULT_RESULTS, RESULTS_DIR, option
+from stackcheck.core.progress import Progress
 from stackcheck.models import architectures
-from stackcheck.versions import PIN_HELP, UsageError, VersionSet, default_set, load_sets, parse_pin, refresh_latest, resolve
+from stackcheck.core.versions import PIN_HELP, UsageError, VersionSet, default_set, load_sets, parse_pin, refresh_latest, resolve
 
 STORE_HELP = "the probe store that history, bisect and watch share (default: results/probes.json)"
 BENCH_RESULTS = RESULTS_DIR / "bench"
@@ -83,7 +86,7 @@ READ_PATHS = {"inputs": ("merge input", "file"), "source": ("--from", "file"), "
 
 def check_common_options(args) -> None:
     """The set and install options every command shares, before any set is resolved or built (the rules every
-    option follows, empty values and repeated options among them, are stackcheck.inputs')."""
+    option follows, empty values and repeated options among them, are stackcheck.runner.inputs')."""
     if getattr(args, "no_index", False) and not args.find_links:
         raise UsageError("--no-index installs only from --find-links folders: name one with --find-links DIR")
     if getattr(args, "find_links", None):  # absolute, as every path option: the installers run elsewhere than the caller
@@ -284,7 +287,7 @@ def run_matrix(args) -> int:
         print(f"== set {vset.name}: {', '.join(f'{k} {v}' for k, v in vset.pins.items())}", flush=True)
         started, run = time.monotonic(), new_run_id()
         selection = [] if gpu else [CPU_LANE]
-        # Every set after the first loads the adapter the first one trained (stackcheck.exchange).
+        # Every set after the first loads the adapter the first one trained (stackcheck.child.exchange).
         code = run_pytest(pythons[vset.name], vset, targets, ["-q", *selection, *arch_options(args.arch),
                                                               *parallel_options(args.pytest_args, pools=pools), *args.pytest_args],
                           args.results, sets[0].name, tracker.env() | pools_env, run=run)
@@ -308,7 +311,7 @@ def run_matrix(args) -> int:
 
 
 def failing_cells(cells: list[Cell], ledger: Ledger, fail_on: tuple[str, ...], incomplete: list[str] = ()) -> int:
-    """The exit code of a verdict command by the rule (stackcheck.exitcodes): 1 when a cell (or an incomplete run,
+    """The exit code of a verdict command by the rule (stackcheck.runner.exitcodes): 1 when a cell (or an incomplete run,
     an `error`) is one of the `fail_on` outcomes, saying which and how many; else 0."""
     found: dict[str, int] = {}
     for cell in cells:

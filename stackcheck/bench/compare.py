@@ -5,7 +5,7 @@ A bench JSON is pytest-benchmark's `--benchmark-json` output of tests/benchmarks
 case, phase) whose `stats` are seconds per timed round (median, IQR, ...) and whose `extra_info` holds
 what a round produced or, for the training step, took in (tokens), memory, parameters, weight bytes
 and, for decode, the weight bytes read per token; plus a top-level `stackcheck` block (set, versions,
-device, mode, bandwidth, synthetic slowdown) written by stackcheck.bench.plugin, and in it `distributed`: the
+device, mode, bandwidth, synthetic slowdown) written by stackcheck.child.bench, and in it `distributed`: the
 distributed training case's cells (stackcheck.bench.distributed.measure), each every rank's numbers or why the cell
 was not measured, timed by the ranks rather than by pytest-benchmark.
 """
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from numbers import Real
 from pathlib import Path
 
-from stackcheck import protocol
-from stackcheck.results import read_checked_json
+from stackcheck.core import protocol
+from stackcheck.core.results import read_checked_json
 
 # The test-only switch read by stackcheck.bench.harness.timed; see stackcheck.bench.harness.synthetic_slowdown.
 SYNTHETIC_SLOWDOWN_ENV = protocol.BENCH_SLOWDOWN_ENV
@@ -65,7 +65,7 @@ DISTRIBUTED_THRESHOLDS = (
 
 
 def device_kind(run: dict) -> str:
-    """'cpu' or 'gpu': where a bench JSON's run took place (stackcheck.hostinfo.device_name)."""
+    """'cpu' or 'gpu': where a bench JSON's run took place (stackcheck.core.hostinfo.device_name)."""
     return "cpu" if run.get("stackcheck", {}).get("device", "cpu").startswith("cpu") else "gpu"
 
 

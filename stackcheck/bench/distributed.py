@@ -164,7 +164,7 @@ def train_rank(size: str, engine: str, rows: int, sequence: int, warmup: int, st
     """On every rank: the engine's QLoRA recipe loaded and prepared, `warmup` steps, then `steps` timed ones."""
     import torch
 
-    from stackcheck import scenario
+    from stackcheck.harness import scenario
     from stackcheck.bench.harness import synchronize
     from stackcheck.distributed import rank as rank_side
 
@@ -241,7 +241,7 @@ def _prepared(engine: str, under_test, rows: int):
     family's precondition proven: an FSDP2 module, or accelerate's state at DeepSpeed stage 3."""
     import torch
 
-    from stackcheck import scenario
+    from stackcheck.harness import scenario
     from stackcheck.distributed import rank as rank_side, recipes
 
     if CASES[engine][0] == "fsdp2":

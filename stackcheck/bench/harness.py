@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.models import footprint, tiny
 from stackcheck.bench.compare import SYNTHETIC_SLOWDOWN_ENV
-from stackcheck.versions import UsageError
+from stackcheck.core.versions import UsageError
 
 # HBM bandwidth from NVIDIA's datasheets, by device-name fragment, first match wins ("H100" alone is
 # the SXM part, which torch names "NVIDIA H100 80GB HBM3"). Reported beside the measured copy bandwidth.

@@ -12,12 +12,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from stackcheck.ledger import ERROR
+from stackcheck.core.ledger import ERROR
 
 # The keys every recorded cell has, in this order (matrix.json's format).
 KEYS = ("set", "family", "test", "lane", "arch", "verdict", "signature", "bug", "note", "seconds")
 # Keys a cell has only where they apply: a distributed job's ranks (stackcheck.distributed.outcome.rank_record),
-# the id of the pytest run that recorded it (stackcheck.protocol.RUN_ENV), and the failure's detail.
+# the id of the pytest run that recorded it (stackcheck.core.protocol.RUN_ENV), and the failure's detail.
 # `detail`: the tail of a new_failure's or error's message (a child process's output, say), kept for research.
 OPTIONAL_KEYS = ("ranks", "run", "detail")
 DETAIL_LINES, DETAIL_CHARS = 30, 3000
@@ -51,7 +51,7 @@ class Cell:
     family: str
     test: str  # the pytest node id, or `<module>[<lane>]` for a module that did not import
     lane: str
-    verdict: str  # a stackcheck.ledger.Verdict's value
+    verdict: str  # a stackcheck.core.ledger.Verdict's value
     arch: str | None = None  # None: the test builds no model
     signature: str | None = None  # "Type: first line @ raising frame"
     bug: str | None = None
@@ -88,7 +88,7 @@ class Cell:
     @classmethod
     def judged(cls, set_name: str, family: str, nodeid: str, arch_names: list[str], judgement, seconds: float = 0.0,
                run: str | None = None) -> Cell:
-        """The cell of a test the ledger judged (a stackcheck.ledger.Judgement)."""
+        """The cell of a test the ledger judged (a stackcheck.core.ledger.Judgement)."""
         return cls(set_name, family, nodeid, lane_of(nodeid), str(judgement.verdict), arch_of(nodeid, arch_names),
                    judgement.signature, judgement.bug, judgement.note, seconds, run=run)
 
@@ -102,7 +102,7 @@ class Cell:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cell:
-        """A cell as matrix.json holds it (checked by stackcheck.results.load_checked where it comes from outside)."""
+        """A cell as matrix.json holds it (checked by stackcheck.core.results.load_checked where it comes from outside)."""
         known = {*KEYS, *OPTIONAL_KEYS}
         return cls(data["set"], data["family"], data["test"], data["lane"], str(data["verdict"]), data.get("arch"),
                    data.get("signature"), data.get("bug"), data.get("note"), data.get("seconds", 0.0),

@@ -1,4 +1,4 @@
-"""The pytest side of the distributed lane: a family test's `ranks` fixture (stackcheck.plugin) launches its job
+"""The pytest side of the distributed lane: a family test's `ranks` fixture (stackcheck.child.plugin) launches its job
 through `Ranks`, and `WORLD_SIZES` parametrizes it.
 
 A cell's CPU variant (two gloo ranks) is one of three kinds:

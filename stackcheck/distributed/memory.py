@@ -32,7 +32,7 @@ def weight_parts(model) -> dict[str, dict[str, int]]:
     """Bytes of each parameter, whole, by part, keyed by parameter name (of the model before `prepare`). AdamW's
     moments, gradients, activations and the layers an engine gathers for a step are left out: those are what the
     peaks add to the arithmetic."""
-    from stackcheck import scenario
+    from stackcheck.harness import scenario
 
     parts = {part: {} for part in PARTS}
     for name, param in model.named_parameters():

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
-from stackcheck.ledger import ERROR, KNOWN_BUG, PASS, SEVERITY, Failure, Judgement, short_path
+from stackcheck.core.ledger import ERROR, KNOWN_BUG, PASS, SEVERITY, Failure, Judgement, short_path
 
 
 class RankState(StrEnum):

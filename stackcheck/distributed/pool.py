@@ -25,11 +25,11 @@ and every pool is torn down when the process exits; a pool whose owner died (a c
 itself within a second.
 
 The matrix commands run their pytest children with pools on unless STACKCHECK_RANK_POOL=0 (the same switch puts
-trainer_resume's resumes on a warm process: stackcheck.harness.resume_process); plain pytest and the
+trainer_resume's resumes on a warm process: stackcheck.process.resume); plain pytest and the
 harness's tests (`stackcheck tests`, CI) keep one launch per cell unless STACKCHECK_RANK_POOL=1. A warm rank is not
 a fresh one: see docs/speed.md, "A warm rank pool", for what it cuts, what it measured, and what it still misses.
 Under xdist every worker has its own pools, so the cells that share a pool's `group` (engine, world size, lane) carry
-that xdist group (stackcheck.distributed.cells.pool_group) and run on one worker (stackcheck.schedule).
+that xdist group (stackcheck.distributed.cells.pool_group) and run on one worker (stackcheck.child.schedule).
 """
 
 from __future__ import annotations

@@ -31,10 +31,11 @@ import sys
 import time
 from pathlib import Path
 
-from stackcheck import gpu_wait, protocol
+from stackcheck.process import gpu_wait
+from stackcheck.core import protocol
 from stackcheck.distributed.outcome import RankOutcome, RankState
-from stackcheck.isolation import leave_the_cell
-from stackcheck.ledger import Failure
+from stackcheck.process.isolation import leave_the_cell
+from stackcheck.core.ledger import Failure
 
 STACKS_SIGNAL = signal.SIGUSR1
 LANE_ENV = protocol.DIST_LANE_ENV
@@ -375,7 +376,7 @@ def assert_matches_one_process(engine: str, losses: list[float], single_losses: 
                                single_weights: dict, tolerance: float) -> dict:
     """The end-to-end check of a sharded run: its losses and every LoRA weight (gathered, by name) against the same
     recipe in one process; what the rank returns for the cell."""
-    from stackcheck import scenario
+    from stackcheck.harness import scenario
 
     scenario.require(weights.keys() == single_weights.keys(), "the sharded model has other LoRA weights")
     loss_difference = max(abs(a - b) for a, b in zip(losses, single_losses))

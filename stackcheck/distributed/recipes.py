@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.distributed import rank as rank_side
 from stackcheck.models import tiny
 

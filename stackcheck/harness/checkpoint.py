@@ -1,7 +1,7 @@
 """Checkpoint: a QLoRA run through transformers' Trainer that saves checkpoints, what it did at each step, and its
 resumption from a checkpoint in another process (`resume_in_fresh_process`, which runs this module as a program with
 the interpreter running the tests, the set's python; or hands the call to a warm resume process,
-stackcheck.harness.resume_process). Where that process raises, it writes the ledger's Failure of its exception, and the
+stackcheck.process.resume). Where that process raises, it writes the ledger's Failure of its exception, and the
 ResumeFailed it ends in carries it: the cell is judged by what raised there (a library's exception, message and
 frame), as a failure in the test's own process is.
 
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from stackcheck import REPO_ROOT
-from stackcheck.ledger import Failure
-from stackcheck.harness import resume_process
+from stackcheck.core.ledger import Failure
+from stackcheck.process import resume as resume_process
 from stackcheck.harness.load import first_nested_linear4bit
 from stackcheck.harness.subject import UnderTest
 from stackcheck.harness.train import TRAINING_IDS, kbit_lora_model, load_base_in, lora_parameters
@@ -205,7 +205,7 @@ def resume_in_fresh_process(under_test: UnderTest, checkpoint: Path, output_dir:
                             timeout: float = RESUME_TIMEOUT) -> Record:
     """`resume` in another process of this interpreter (the user's second `python train.py --resume`), which rebuilds
     the architecture from its fields (a user's config.json included): a new one per call, or with the warm processes
-    on (the matrix commands), the worker's warm resume process (stackcheck.harness.resume_process), which never trains.
+    on (the matrix commands), the worker's warm resume process (stackcheck.process.resume), which never trains.
     Its Record."""
     call = resume_call(under_test, checkpoint, output_dir, optim)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
@@ -238,7 +238,7 @@ def resume_from_call(path: Path) -> None:
 def main(argv: list[str]) -> int:
     import warnings
 
-    from stackcheck import gpu_wait
+    from stackcheck.process import gpu_wait
 
     gpu_wait.follow_the_worker()
     warnings.filterwarnings("ignore")

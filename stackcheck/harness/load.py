@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stackcheck import hostinfo
+from stackcheck.core import hostinfo
 from stackcheck.harness.proof import require
 from stackcheck.harness.subject import UnderTest
 from stackcheck.models import tiny

@@ -44,7 +44,7 @@ QUIET_TRIES = 4
 
 def settled(device: torch.device, deferred_frees: bool = False) -> int:
     """Allocated bytes on `device` once the unreachable cycles the test made are collected (ones a step leaves):
-    what live objects hold. A test that reads this is marked `reads_device_memory` (stackcheck.gc_freeze.MEMORY_MARK):
+    what live objects hold. A test that reads this is marked `reads_device_memory` (stackcheck.child.gc_freeze.MEMORY_MARK):
     the test before it ended with everything collected, frozen objects too, and CUDA's cache emptied, so what earlier
     tests left is gone before its first reading, and each reading collects only what the collector has not frozen
     (collecting everything at every reading cost device_memory's workers 212 to 251 CPU-seconds a set on one H100,

@@ -100,7 +100,7 @@ def vllm_name(module_name: str) -> str:
 
 def _backend(on_cpu: bool):
     """trl's backend over an `Accelerator` of the model's device, built for the test that asks (accelerate's state is
-    reset after every test, stackcheck.isolation: a backend kept from an earlier test would hold an emptied state)."""
+    reset after every test, stackcheck.process.isolation: a backend kept from an earlier test would hold an emptied state)."""
     from accelerate import Accelerator
     from trl.distributed import DistributedBackend
 

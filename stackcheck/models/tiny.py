@@ -21,8 +21,9 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from stackcheck import REPO_ROOT, protocol
-from stackcheck.locking import folder_locked
+from stackcheck import REPO_ROOT
+from stackcheck.core import protocol
+from stackcheck.core.locking import folder_locked
 
 if TYPE_CHECKING:
     from stackcheck.models.architectures import Architecture

@@ -25,7 +25,7 @@ def record_distributed(request: pytest.FixtureRequest):
 
 @pytest.hookimpl(optionalhook=True, trylast=True)
 def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json: dict) -> None:
-    """`stackcheck.distributed` beside the block stackcheck.bench.plugin writes (trylast: after it). pytest-benchmark
+    """`stackcheck.distributed` beside the block stackcheck.child.bench writes (trylast: after it). pytest-benchmark
     writes no JSON at all when no benchmark of its own ran, so a run of the distributed case alone records nothing."""
     output_json.setdefault("stackcheck", {})["distributed"] = config.stash.get(DISTRIBUTED, [])
 

@@ -16,7 +16,7 @@ stackcheck.bench.compare judges them against a baseline set.
 import pytest
 
 from stackcheck.bench import harness as bench
-from stackcheck.bench.plugin import bench_sizes, record_not_measured
+from stackcheck.child.bench import bench_sizes, record_not_measured
 
 pytestmark = pytest.mark.benchmark
 

@@ -8,7 +8,7 @@ and skipped; a job that fails is recorded with its ranks' failures, and fails. I
 import pytest
 
 from stackcheck.bench import distributed
-from stackcheck.bench.plugin import bench_sizes
+from stackcheck.child.bench import bench_sizes
 
 pytestmark = pytest.mark.benchmark
 

@@ -8,7 +8,7 @@ The round trip here is the one every QLoRA user makes: `prepare_model_for_kbit_t
 training), and `PeftModel.from_pretrained`.
 
 The upgrade: a user trains on one release and loads the adapter on the next. The set that trains leaves its
-adapter, the checkpoint it trained on and its outputs in the run's adapter exchange (`stackcheck.exchange`);
+adapter, the checkpoint it trained on and its outputs in the run's adapter exchange (`stackcheck.child.exchange`);
 a later set loads it onto a fresh 4-bit base built by its own libraries from that checkpoint. The runner pairs
 the sets: the gate's candidate loads its baseline's adapter, a `matrix` run's later sets load its first set's.
 Without a baseline in the run (one set, CI's `tests`) that cell is skipped. Where the baseline's own training cell
@@ -57,10 +57,11 @@ from peft import get_peft_model, prepare_model_for_kbit_training
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
 
-from stackcheck import results, scenario
+from stackcheck.core import results
+from stackcheck.harness import scenario
 from stackcheck.models import tiny
-from stackcheck.exchange import ExportMissing
-from stackcheck.protocol import RESULTS_OPTION
+from stackcheck.child.exchange import ExportMissing
+from stackcheck.core.protocol import RESULTS_OPTION
 
 ROUND_TRIP_TOLERANCE = 0.01
 # The exchange's names of the two adapters a set trains: its language adapter fixture, and LoRA on the experts.

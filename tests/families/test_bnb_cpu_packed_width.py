@@ -30,7 +30,8 @@ import copy
 import pytest
 import torch
 
-from stackcheck import hostinfo, scenario
+from stackcheck.core import hostinfo
+from stackcheck.harness import scenario
 
 PACKED_TOLERANCE = 0.02
 # (in_features, out_features): SigLIP-so400m's MLP, and a control whose widths the packed path accepts.

@@ -44,7 +44,7 @@ twin keeps, so its bf16 cells would stay judged at 0.01 (not run on 5.5.1 since)
 
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 CACHE_TOLERANCE = 0.01
 NEW_TOKENS = 6  # prompt (8) + new tokens stays under the 16 query tokens where torch's CPU attention switches kernels

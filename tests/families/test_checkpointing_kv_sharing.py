@@ -34,7 +34,7 @@ docs/repro/gemma4_reentrant_checkpointing.md.
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.models import tiny
 
 GRADIENT_TOLERANCE = 0.01

@@ -14,7 +14,7 @@ workaround, LoRA really wraps tower and language projections and changes their o
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.models import tiny
 
 pytestmark = pytest.mark.needs("clippable_linear")

@@ -38,7 +38,7 @@ bitsandbytes fails the same way once everything outside the decoder layers is fr
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.distributed import rank as rank_side
 from stackcheck.distributed.cells import WORLD_SIZES
 from stackcheck.models import architectures, tiny

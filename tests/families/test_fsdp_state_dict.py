@@ -31,7 +31,7 @@ whether the crash needs a 4-bit model at all is not established.
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.distributed import rank as rank_side
 from stackcheck.distributed.cells import WORLD_SIZES
 from stackcheck.models import architectures, tiny

@@ -42,7 +42,7 @@ from accelerate import cpu_offload
 from accelerate.hooks import remove_hook_from_submodules
 from accelerate.utils import set_module_tensor_to_device
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 
 def int8_layers(model) -> dict[str, torch.nn.Module]:

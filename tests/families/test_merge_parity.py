@@ -30,7 +30,7 @@ over every layer together). Re-quantizing W + dW adds noise beside the delta and
 noise through linearly; 0.938 to 1.005 on the others). A merge that drops the adapter keeps 0, one that adds it
 twice 2: another bug. The share of the effect on the logits is printed beside it.
 """
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 RELATIVE_TOLERANCE = scenario.MERGE_TOLERANCE  # 0.10, shared with the merge contract (tests/contract/merge)
 

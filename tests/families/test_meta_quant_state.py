@@ -16,7 +16,7 @@ quant state is on meta; after PEFT's redispatch 4-bit modules really sit on the 
 
 from accelerate.utils import set_module_tensor_to_device
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 
 def test_state_dict_after_accelerate_offload_to_meta(under_test):

@@ -15,7 +15,7 @@ quant state, and its `Params4bit` carries `_is_hf_initialized`.
 import bitsandbytes as bnb
 from accelerate.utils import set_module_tensor_to_device
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 
 def loaded_param4bit_module(under_test):

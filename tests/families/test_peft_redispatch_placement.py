@@ -34,7 +34,7 @@ parameters to cuda:1. A cell that passes where accelerate's balanced map would u
 
 import pytest
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.models.tiny import NotApplicable
 
 

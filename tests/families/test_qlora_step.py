@@ -33,7 +33,7 @@ import re
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.models import tiny
 
 STEPS = 5

@@ -23,7 +23,7 @@ fused experts left in 16 bits, 1.0 for this bug whatever the model's size.
 
 import pytest
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.models import footprint
 
 pytestmark = pytest.mark.needs("experts")

@@ -34,7 +34,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stackcheck import hostinfo, scenario
+from stackcheck.core import hostinfo
+from stackcheck.harness import scenario
 
 LOADED_BACK_TOLERANCE = 1e-6
 PACKED_SAVE_TOLERANCE = 0.01

@@ -34,7 +34,7 @@ with the finfo fix patched in). 0.6 sits between.
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 pytestmark = pytest.mark.needs("vision_tower", "audio_tower")
 

@@ -14,7 +14,7 @@ requested implementation would have to cover.
 
 import pytest
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.models import tiny
 
 pytestmark = pytest.mark.needs("vision_tower", "audio_tower")

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import Gemma4ForConditionalGeneration
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.models import tiny
 
 pytestmark = pytest.mark.needs("vision_tower", "audio_tower")

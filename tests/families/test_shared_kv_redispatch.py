@@ -21,7 +21,7 @@ accelerate hooks and the `shared_kv_states` dict really crosses a hooked layer d
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 pytestmark = pytest.mark.needs("kv_sharing")
 

@@ -33,7 +33,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.models import tiny
 
 pytestmark = pytest.mark.needs("tied_embeddings")

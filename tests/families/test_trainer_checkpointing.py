@@ -39,7 +39,7 @@ import math
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.harness.trainer import one_device
 from stackcheck.models import tiny
 

@@ -51,7 +51,7 @@ leaves room for NCCL's reduction order. The Trainer's saved adapter must equal t
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.distributed import rank as rank_side
 from stackcheck.distributed.recipes import LEARNING_RATE, LORA_SEED, deepspeed_stage3_accelerator, optimizer_for, zero3_qlora_model
 from stackcheck.distributed.cells import WORLD_SIZES

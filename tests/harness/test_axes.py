@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from stackcheck.harness import axes
+from stackcheck.child import axes
 
 AXES = {"arch": ["gemma4", "llama3", "qwen3", "phi4", "mixtral", "qwen3moe", "gemma3"],
         "quant": ["nf4", "fp4", "nf4_dq", "int8"], "dtype": ["bf16", "fp16"], "adapter": ["plain", "dora", "rslora", "mts"]}

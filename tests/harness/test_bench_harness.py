@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from stackcheck import REPO_ROOT, cli, gate, scenario
+from stackcheck import REPO_ROOT, cli
+from stackcheck.commands import gate
+from stackcheck.harness import scenario
 from stackcheck.bench import harness as bench
 from stackcheck.bench import compare as bench_compare, report as bench_report
-from stackcheck.locking import folder_locked
+from stackcheck.core.locking import folder_locked
 from stackcheck.models import tiny
-from stackcheck.versions import UsageError
+from stackcheck.core.versions import UsageError
 
 GEMMA4 = scenario.seed_model(torch.device("cpu"))
 

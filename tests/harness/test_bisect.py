@@ -10,8 +10,8 @@ import pytest
 from packaging.version import Version
 
 from stackcheck import cli
-from stackcheck.releases.bisect import BAD, GOOD, UNTESTABLE, Bisection, Candidate, git_candidates, release_candidates, search
-from stackcheck.versions import UsageError
+from stackcheck.commands.releases.bisect import BAD, GOOD, UNTESTABLE, Bisection, Candidate, git_candidates, release_candidates, search
+from stackcheck.core.versions import UsageError
 
 TEST = "tests/families/test_params4bit_kwargs.py::test_offload_hook_moves_loaded_param_to_meta"
 KNOWN = {"test": TEST, "verdict": "known_bug", "bug": "params4bit_kwargs", "signature": "TypeError: Params4bit.__new__() ..."}
@@ -191,9 +191,9 @@ def test_bisect_usage_errors_are_one_line_and_exit_2(argv, message, capsys):
 def test_the_flake_check_runs_again_instead_of_reading_the_store(tmp_path, monkeypatch, capsys):
     """bisect's second run of a flipped candidate is a real run: the probe store, which its first run has just
     written, would give that run back and the check would prove nothing."""
-    from stackcheck import lane
+    from stackcheck.runner import lane
     from stackcheck.core.cell import Cell
-    from stackcheck.releases import probes
+    from stackcheck.commands.releases import probes
 
     runs = []
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from stackcheck import REPO_ROOT
-from stackcheck.ledger import Ledger
-from stackcheck.locking import folder_locked, run_folder
+from stackcheck.core.ledger import Ledger
+from stackcheck.core.locking import folder_locked, run_folder
 from stackcheck.models import tiny
-from stackcheck.versions import installed_versions
+from stackcheck.core.versions import installed_versions
 
 BROKEN_MODULE = "import transformers.no_such_module\n\ndef test_never_collected():\n    pass\n"
 CRASHING_MODULE = textwrap.dedent("""

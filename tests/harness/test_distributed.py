@@ -18,7 +18,7 @@ import pytest
 from stackcheck import REPO_ROOT
 from stackcheck.distributed import launcher
 from stackcheck.distributed.outcome import RankOutcome, RankState, combine, judge_rank, judge_ranks, torn_down
-from stackcheck.ledger import ERROR, FIXED, KNOWN_BUG, NEW_FAILURE, PASS, Failure, Judgement
+from stackcheck.core.ledger import ERROR, FIXED, KNOWN_BUG, NEW_FAILURE, PASS, Failure, Judgement
 
 HERE = "tests.harness.test_distributed"
 # The hung rank must have started (its stacks are asked of it) and rank 0 finished before the launcher's timeout, which
@@ -112,7 +112,7 @@ def rank_one_exits(job: str) -> dict:
 
 
 def rank_not_reached() -> dict:
-    from stackcheck.scenario import require
+    from stackcheck.harness.scenario import require
 
     require(False, "the precondition")
     return {}
@@ -394,7 +394,7 @@ RESUME_TEST = "test_a_resumed_job_continues_the_uninterrupted_one[gpu-ws2-fsdp1-
 
 
 def judge_hang(stacks: str, test: str = RESUME_TEST, peft: str = "0.21.2") -> Judgement:
-    from stackcheck.ledger import Ledger
+    from stackcheck.core.ledger import Ledger
 
     ledger = Ledger()
     versions = {"torch": "2.11.0", "transformers": "5.23.0", "peft": peft, "accelerate": "1.15.0", "bitsandbytes": "0.50.2"}

@@ -1,17 +1,18 @@
 """The generated pages of docs/ are current (issue 32): docs/commands.md is what stackcheck's parser says, and
 docs/families.md what the ledger and each family module's docstring say. Regenerate them with
-`python -m stackcheck.docgen` (nox -s docs)."""
+`python -m stackcheck.commands.docgen` (nox -s docs)."""
 
 import pytest
 
-from stackcheck import REPO_ROOT, cli, docgen
-from stackcheck.ledger import Ledger, family_paths
+from stackcheck import REPO_ROOT, cli
+from stackcheck.commands import docgen
+from stackcheck.core.ledger import Ledger, family_paths
 
 
 @pytest.mark.parametrize("name", sorted(docgen.PAGES))
 def test_a_generated_page_is_current(name):
     committed = (REPO_ROOT / "docs" / name).read_text()
-    assert committed == docgen.PAGES[name](), f"docs/{name} is not current: run `python -m stackcheck.docgen` (nox -s docs)"
+    assert committed == docgen.PAGES[name](), f"docs/{name} is not current: run `python -m stackcheck.commands.docgen` (nox -s docs)"
 
 
 def test_the_commands_page_has_every_command_and_option():

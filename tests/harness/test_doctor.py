@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from stackcheck import cli, versions
-from stackcheck.triage import doctor
-from stackcheck.ledger import Ledger
+from stackcheck import cli
+from stackcheck.core import versions
+from stackcheck.commands.triage import doctor
+from stackcheck.core.ledger import Ledger
 from tests.harness.test_usage_errors import one_usage_line
 
 SEED = {"python": "3.12.0", "torch": "2.11.0", **{lib: pin.version for lib, pin in versions.load_sets()[0]["seed"].pins.items()}}

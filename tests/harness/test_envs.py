@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stackcheck import envs
-from stackcheck.versions import default_set, resolve
+from stackcheck.runner import envs
+from stackcheck.core.versions import default_set, resolve
 
 
 HAS_PIP = importlib.util.find_spec("pip") is not None

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from stackcheck import exchange, results
+from stackcheck.child import exchange
+from stackcheck.core import results
 
 
 def exported(tmp_path, set_name="seed") -> exchange.AdapterExchange:
@@ -58,7 +59,7 @@ def test_a_baseline_that_met_a_known_bug_before_exporting_makes_the_upgrade_cell
 
     from stackcheck.core.cell import Cell
     from stackcheck.models.tiny import NotApplicable
-    from stackcheck.scenario import ScenarioNotReached
+    from stackcheck.harness.scenario import ScenarioNotReached
 
     family = importlib.import_module("tests.families.test_adapter_round_trip")
     module = "tests/families/test_adapter_round_trip.py"

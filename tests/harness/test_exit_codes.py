@@ -1,4 +1,4 @@
-"""One exit-code rule for every command (stackcheck.exitcodes, docs/exit-codes.md), checked command by command.
+"""One exit-code rule for every command (stackcheck.runner.exitcodes, docs/exit-codes.md), checked command by command.
 
 The verdict commands run with their environments and pytest stood in for (the cells a run would record are
 scripted), so each rule is shown in seconds; the real runs are in test_real_sets.py and test_cells.py."""
@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from stackcheck import cli, envs, exitcodes, gate, lane, results, versions
+from stackcheck import cli
+from stackcheck.runner import envs, exitcodes, lane
+from stackcheck.commands import gate
+from stackcheck.core import results, versions
 from stackcheck.core.cell import Cell
-from stackcheck.triage import doctor
+from stackcheck.commands.triage import doctor
 from tests.harness.test_doctor import SEED
 from tests.harness.test_usage_errors import one_usage_line
 
@@ -20,8 +23,8 @@ TEST = f"tests/families/test_{FAMILY}.py::test_offload_hook_moves_loaded_param_t
 
 
 def test_the_docs_page_is_generated_from_the_rule():
-    assert (Path(exitcodes.__file__).parents[1] / "docs" / "exit-codes.md").read_text() == exitcodes.markdown(), \
-        "regenerate: python -m stackcheck.exitcodes > docs/exit-codes.md"
+    assert (Path(exitcodes.__file__).parents[2] / "docs" / "exit-codes.md").read_text() == exitcodes.markdown(), \
+        "regenerate: python -m stackcheck.runner.exitcodes > docs/exit-codes.md"
 
 
 def test_every_command_has_a_row():
@@ -57,7 +60,7 @@ def test_a_wrong_fail_on_is_one_line(capsys):
 # scan: "no problems found" is exit 0; the install's known bugs fail it only through --fail-on.
 
 def test_scan_exits_0_when_it_finds_no_problem(tmp_path, capsys):
-    (tmp_path / "config.json").write_text((Path(exitcodes.__file__).parents[1] / "fixtures" / "architectures" / "llama3.json").read_text())
+    (tmp_path / "config.json").write_text((Path(exitcodes.__file__).parents[2] / "fixtures" / "architectures" / "llama3.json").read_text())
     assert cli.main(["scan", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "no problems found in the model" in out and "known bugs affect the installed versions" in out
@@ -232,7 +235,7 @@ def test_merge_exits_0(tmp_path, capsys):
 
 
 def test_repro_exits_1_when_a_cell_is_not_reproduced(scripted, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr("stackcheck.triage.repro.gpu_host", lambda: False)
+    monkeypatch.setattr("stackcheck.commands.triage.repro.gpu_host", lambda: False)
     path = tmp_path / "m.json"
     results.record_set(path, "seed", {"peft": "0.19.1"})
     results.record_cells(path, [Cell("seed", FAMILY, TEST.replace("[cpu-", "[gpu-"), "gpu", "known_bug", bug=FAMILY)])

@@ -3,7 +3,8 @@ here; test_real_sets.py runs the gate itself on real sets."""
 
 import pytest
 
-from stackcheck import cli, gate
+from stackcheck import cli
+from stackcheck.commands import gate
 from stackcheck.core.cell import Cell
 
 SEED = {"python": "3.11.7", "torch": "2.13.0", "transformers": "5.6.2", "peft": "0.19.1", "accelerate": "1.13.0", "bitsandbytes": "0.49.2"}

@@ -1,10 +1,10 @@
-"""The garbage collection between tests (stackcheck.gc_freeze) walks everything only where a fixture wider than a
+"""The garbage collection between tests (stackcheck.child.gc_freeze) walks everything only where a fixture wider than a
 test's ended (and after the last test), not at every change of module: under xdist, longest first, a worker's next
 test is nearly always of another module. And what such a fixture held in a reference cycle, frozen by then, is
 still collected before the next test, as is what a test's own fixture held (not frozen as a survivor) and what a
 test held when it collected everything itself (stackcheck.harness.memory.settled freezes it again). A nested pytest
 run of three modules, their tests interleaved as a worker gets them, with the plugin and a count of its full
-collections. Before a test marked `reads_device_memory`, everything is collected (stackcheck.gc_freeze says why)."""
+collections. Before a test marked `reads_device_memory`, everything is collected (stackcheck.child.gc_freeze says why)."""
 
 import subprocess
 import sys
@@ -14,7 +14,7 @@ from stackcheck import REPO_ROOT
 
 CONFTEST = '''
 import pytest
-import stackcheck.gc_freeze as gc_freeze
+import stackcheck.child.gc_freeze as gc_freeze
 
 FULL = []
 _collect = gc_freeze.collect_everything
@@ -127,7 +127,7 @@ def test_c1(model):
 
 def test_c2():
     # a reading of memory inside the test: everything collected, and what the test holds frozen again
-    import stackcheck.gc_freeze as gc_freeze
+    import stackcheck.child.gc_freeze as gc_freeze
 
     value = Cycle()
     HELD["read"] = weakref.ref(value)
@@ -139,7 +139,7 @@ def test_c2():
 def test_everything_is_walked_where_a_wider_fixture_ended_and_not_at_each_change_of_module(tmp_path):
     for name, text in (("conftest.py", conftest(INTERLEAVED)), ("test_a.py", MODULE_A), ("test_b.py", MODULE_B), ("test_c.py", MODULE_C)):
         (tmp_path / name).write_text(text)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "stackcheck.gc_freeze", "-p", "no:cacheprovider", "-p", "no:xdist",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "stackcheck.child.gc_freeze", "-p", "no:cacheprovider", "-p", "no:xdist",
                           "-p", "no:randomly", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0 and "7 passed" in run.stdout, textwrap.shorten(run.stdout + run.stderr, 3000)
@@ -192,7 +192,7 @@ def test_a_test_that_reads_device_memory_starts_after_everything_was_collected(t
     for name, text in (("conftest.py", conftest(order)), ("test_x.py", MODULE_X), ("test_y.py", MODULE_Y)):
         (tmp_path / name).write_text(text)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    reads_device_memory: as stackcheck's\n")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "stackcheck.gc_freeze", "-p", "no:cacheprovider", "-p", "no:xdist",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "stackcheck.child.gc_freeze", "-p", "no:cacheprovider", "-p", "no:xdist",
                           "-p", "no:randomly", "-q", "--strict-markers"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0 and "4 passed" in run.stdout, textwrap.shorten(run.stdout + run.stderr, 3000)

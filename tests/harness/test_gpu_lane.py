@@ -8,7 +8,8 @@ import pytest
 import torch
 from test_results import VERSIONS, cell
 
-from stackcheck import REPO_ROOT, results
+from stackcheck import REPO_ROOT
+from stackcheck.core import results
 
 
 def collected(*args: str) -> list[str]:

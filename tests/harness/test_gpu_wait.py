@@ -1,14 +1,16 @@
-"""How the run's processes wait for a GPU (stackcheck.gpu_wait): each visible device's primary context set to block,
+"""How the run's processes wait for a GPU (stackcheck.process.gpu_wait): each visible device's primary context set to block,
 by the worker among several and by what it starts, and nothing where the user keeps CUDA's spinning or there is no
 driver. A stand-in for the CUDA driver's calls records what the module asks of it (this machine has none). The same
-stand-in names the devices for the command and pytest's controller (stackcheck.cuda_driver), which import no torch."""
+stand-in names the devices for the command and pytest's controller (stackcheck.process.cuda_driver), which import no torch."""
 
 import ctypes
 
 import pytest
 
-from stackcheck import cuda_driver, envs, gpu_wait, plugin
-from stackcheck.versions import UsageError
+from stackcheck.process import cuda_driver, gpu_wait
+from stackcheck.runner import envs
+from stackcheck.child import plugin
+from stackcheck.core.versions import UsageError
 
 
 class Driver:

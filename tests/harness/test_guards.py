@@ -10,10 +10,12 @@ import sys
 import pytest
 import torch
 
-from stackcheck import REPO_ROOT, plugin, scenario
+from stackcheck import REPO_ROOT
+from stackcheck.child import plugin
+from stackcheck.harness import scenario
 from stackcheck.harness import place
 from stackcheck.models import tiny
-from stackcheck.scenario import ScenarioNotReached
+from stackcheck.harness.scenario import ScenarioNotReached
 
 GEMMA4 = scenario.seed_model(torch.device("cpu"))
 

@@ -8,12 +8,12 @@ import importlib
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.harness import adapt
-from stackcheck.ledger import KNOWN_BUG, NEW_FAILURE, Failure, Ledger
+from stackcheck.core.ledger import KNOWN_BUG, NEW_FAILURE, Failure, Ledger
 from stackcheck.models import architectures, tiny
-from stackcheck.scenario import ScenarioNotReached, ToleranceExceeded
-from stackcheck.versions import installed_versions
+from stackcheck.harness.scenario import ScenarioNotReached, ToleranceExceeded
+from stackcheck.core.versions import installed_versions
 
 LLAMA3 = scenario.UnderTest(architectures.builtin()["llama3"], torch.device("cpu"))  # no KV-shared layers
 

@@ -7,11 +7,11 @@ import importlib
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.harness import load
 from stackcheck.models import architectures
 from stackcheck.models.tiny import NotApplicable
-from stackcheck.scenario import ToleranceExceeded
+from stackcheck.harness.scenario import ToleranceExceeded
 
 LLAMA3 = scenario.UnderTest(architectures.builtin()["llama3"], torch.device("cpu"))
 NF4 = scenario.Quantization("nf4", True, torch.bfloat16)

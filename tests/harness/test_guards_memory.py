@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.harness import memory
 from stackcheck.models import architectures
 

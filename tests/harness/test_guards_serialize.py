@@ -8,11 +8,12 @@ import types
 import pytest
 import torch
 
-from stackcheck import exchange, scenario
+from stackcheck.child import exchange
+from stackcheck.harness import scenario
 from stackcheck.harness import serialize
 from stackcheck.models import architectures
-from stackcheck.scenario import ToleranceExceeded
-from stackcheck.versions import installed_versions
+from stackcheck.harness.scenario import ToleranceExceeded
+from stackcheck.core.versions import installed_versions
 
 LLAMA3 = scenario.UnderTest(architectures.builtin()["llama3"], torch.device("cpu"))
 PROMPT = scenario.prompt(torch.device("cpu"))

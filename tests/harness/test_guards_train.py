@@ -7,11 +7,11 @@ import importlib
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.harness import checkpoint
-from stackcheck.ledger import KNOWN_BUG, Failure, Ledger
+from stackcheck.core.ledger import KNOWN_BUG, Failure, Ledger
 from stackcheck.models import architectures
-from stackcheck.versions import installed_versions
+from stackcheck.core.versions import installed_versions
 
 LLAMA3 = scenario.UnderTest(architectures.builtin()["llama3"], torch.device("cpu"))
 

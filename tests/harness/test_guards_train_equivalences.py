@@ -6,7 +6,7 @@ import importlib
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.harness.proof import ScenarioNotReached, ToleranceExceeded
 from stackcheck.models import architectures
 

@@ -6,9 +6,9 @@ import importlib
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.models import architectures
-from stackcheck.scenario import ScenarioNotReached
+from stackcheck.harness.scenario import ScenarioNotReached
 
 LLAMA3 = scenario.UnderTest(architectures.builtin()["llama3"], torch.device("cpu"))
 

@@ -1,4 +1,4 @@
-"""A cell starts as a fresh process would, as far as the libraries' process-wide state goes (stackcheck.isolation):
+"""A cell starts as a fresh process would, as far as the libraries' process-wide state goes (stackcheck.process.isolation):
 accelerate's state that one test built is gone before the next, and garbage collection between tests still frees a
 test's cycles. A nested pytest run of two tests in one process, with the plugin that does both."""
 
@@ -38,7 +38,7 @@ def test_finds_neither():
 
 def test_the_next_test_finds_no_accelerate_state_and_no_garbage_of_the_last(tmp_path):
     (tmp_path / "test_two.py").write_text(TESTS)
-    run = subprocess.run([sys.executable, "-m", "pytest", "test_two.py", "-p", "stackcheck.gc_freeze", "-p", "no:cacheprovider",
+    run = subprocess.run([sys.executable, "-m", "pytest", "test_two.py", "-p", "stackcheck.child.gc_freeze", "-p", "no:cacheprovider",
                           "-p", "no:xdist", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0 and "2 passed" in run.stdout, textwrap.shorten(run.stdout + run.stderr, 3000)
@@ -51,7 +51,7 @@ def test_the_next_cell_compiles_afresh_not_as_a_recompile():
     import torch
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from stackcheck.isolation import reset_libraries
+    from stackcheck.process.isolation import reset_libraries
 
     def wrapper(forward, x):  # the shared frame
         return forward(x) + 1
@@ -77,7 +77,7 @@ def test_a_warm_process_destroys_the_deepspeed_engines_a_cell_left(monkeypatch):
     one needs a process group and takes seconds): what is checked is which live objects get destroy() and how often."""
     import types
 
-    from stackcheck.isolation import release_deepspeed_engines
+    from stackcheck.process.isolation import release_deepspeed_engines
 
     class DeepSpeedEngine:
         def __init__(self):
@@ -105,7 +105,7 @@ def test_the_next_cell_finds_zero3s_module_stack_empty(monkeypatch):
     starts with it empty, and so does the next cell after reset_libraries. A stand-in module, as above."""
     import types
 
-    from stackcheck.isolation import reset_libraries
+    from stackcheck.process.isolation import reset_libraries
 
     stack = [object()]  # an earlier cell's model
     monkeypatch.setitem(sys.modules, "deepspeed.runtime.zero.parameter_offload", types.SimpleNamespace(FWD_MODULE_STACK=stack))

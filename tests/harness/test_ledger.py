@@ -10,13 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.models import architectures
-from stackcheck.ledger import (
-    ERROR, FIXED, KNOWN_BUG, LEDGER_FILE, NEW_FAILURE, NOT_AFFECTED, PASS, Failure, Ledger, LedgerError, Verdict, family_modules,
-)
-from stackcheck.versions import installed_versions
-from stackcheck.scenario import ScenarioNotReached
+from stackcheck.core.ledger import ERROR, FIXED, KNOWN_BUG, LEDGER_FILE, NEW_FAILURE, NOT_AFFECTED, PASS, Failure, Ledger, LedgerError, Verdict, family_modules
+from stackcheck.core.versions import installed_versions
+from stackcheck.harness.scenario import ScenarioNotReached
 
 GEMMA4 = scenario.seed_model(torch.device("cpu"))
 LLAMA3 = scenario.UnderTest(architectures.builtin()["llama3"], torch.device("cpu"))  # no KV-shared layers

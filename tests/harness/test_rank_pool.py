@@ -135,7 +135,7 @@ def test_engine_options_that_change_only_the_ranks_variables_run_on_the_engines_
 
 
 def test_the_pool_is_off_in_pytest_on_in_the_matrix_and_its_switch_is_checked(monkeypatch):
-    from stackcheck import lane
+    from stackcheck.runner import lane
 
     monkeypatch.delenv(pool.POOL_ENV, raising=False)
     assert not pool.enabled()
@@ -151,7 +151,7 @@ def test_the_pool_is_off_in_pytest_on_in_the_matrix_and_its_switch_is_checked(mo
 
 
 def test_pools_choose_loadgroup_and_keep_the_order(monkeypatch):
-    from stackcheck import lane
+    from stackcheck.runner import lane
 
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # as the matrix's own pytest sees it, not CI's workers
 

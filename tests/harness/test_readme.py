@@ -21,8 +21,10 @@ import sys
 
 import pytest
 
-from stackcheck import REPO_ROOT, cli, envs, versions, wheelhouse
-from stackcheck.releases import bisect, history, watch
+from stackcheck import REPO_ROOT, cli
+from stackcheck.runner import envs, wheelhouse
+from stackcheck.core import versions
+from stackcheck.commands.releases import bisect, history, watch
 
 README = (REPO_ROOT / "README.md").read_text()
 # The pages whose command blocks are checked: the README and the guide to running every command.

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from stackcheck import REPO_ROOT, cli, envs, results
+from stackcheck import REPO_ROOT, cli
+from stackcheck.runner import envs
+from stackcheck.core import results
 
 pytestmark = pytest.mark.slow
 # First transformers release where the seed's attn_implementation="sdpa" no longer loads, as bisected

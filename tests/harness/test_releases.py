@@ -8,9 +8,11 @@ import json
 import pytest
 from packaging.version import Version
 
-from stackcheck import cli, envs, lane, results
+from stackcheck import cli
+from stackcheck.runner import envs, lane
+from stackcheck.core import results
 from stackcheck.core.cell import Cell
-from stackcheck.releases import probes
+from stackcheck.commands.releases import probes
 
 FAMILIES = "params4bit_kwargs,cache_parity"
 RELEASES = ["5.10.1", "5.11.0", "5.12.0", "5.13.0", "5.14.0"]

@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
-from stackcheck import REPO_ROOT, cli, report, results
-from stackcheck.ledger import SEVERITY, Ledger
+from stackcheck import REPO_ROOT, cli
+from stackcheck.commands import report
+from stackcheck.core import results
+from stackcheck.core.ledger import SEVERITY, Ledger
 
 pytest.importorskip("jinja2", reason="the report's template engine (the `report` extra) is not installed here")
 pytest.importorskip("plotly", reason="the report's plots (the `report` extra) are not installed here")

@@ -2,16 +2,18 @@
 `executable_path`. The grid renders with the counts of the results file, every filter changes it as it should,
 every in-page link lands on its anchor, upstream links are the ledger's, and the console shows no error, at desktop
 and at phone width. Skipped, with the reason, where Chromium or Playwright is missing; `nox -s tests` installs
-Chromium on a CI machine (stackcheck.report.browser.ensure_chromium)."""
+Chromium on a CI machine (stackcheck.commands.report.browser.ensure_chromium)."""
 
 import json
 from collections import Counter
 
 import pytest
 
-from stackcheck import REPO_ROOT, report, results
-from stackcheck.ledger import Ledger
-from stackcheck.report import browser
+from stackcheck import REPO_ROOT
+from stackcheck.commands import report
+from stackcheck.core import results
+from stackcheck.core.ledger import Ledger
+from stackcheck.commands.report import browser
 
 pytest.importorskip("jinja2", reason="the report's template engine (the `report` extra) is not installed here")
 pytest.importorskip("plotly", reason="the report's plots (the `report` extra) are not installed here")

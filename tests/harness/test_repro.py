@@ -10,9 +10,9 @@ import pytest
 
 from stackcheck import cli
 from stackcheck.core.cell import Cell
-from stackcheck.triage import repro, repro_script
-from stackcheck.ledger import Ledger
-from stackcheck.versions import default_set, installed_versions
+from stackcheck.commands.triage import repro, repro_script
+from stackcheck.core.ledger import Ledger
+from stackcheck.core.versions import default_set, installed_versions
 from tests.harness.test_usage_errors import one_usage_line
 
 CELL_TEST = "tests/families/test_params4bit_kwargs.py::test_offload_hook_moves_loaded_param_to_meta[cpu-gemma4]"

@@ -5,9 +5,10 @@ import os
 
 import pytest
 
-from stackcheck import cli, results
+from stackcheck import cli
+from stackcheck.core import results
 from stackcheck.core.cell import Cell
-from stackcheck.versions import UsageError
+from stackcheck.core.versions import UsageError
 
 VERSIONS = {"python": "3.11", "torch": "2.13.0", "transformers": "5.6.2", "peft": "0.19.1", "accelerate": "1.13.0", "bitsandbytes": "0.49.2"}
 

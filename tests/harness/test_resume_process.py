@@ -1,4 +1,4 @@
-"""The warm resume process (stackcheck.harness.resume_process) resumes as a new process does: one checkpoint resumed
+"""The warm resume process (stackcheck.process.resume) resumes as a new process does: one checkpoint resumed
 in a new process, and twice in a warm one after another architecture's resume, gives the same Record, bit for bit;
 a resume that raises there is a ResumeFailed carrying the Failure of what raised, as in a new process, and ends the
 warm process."""
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from stackcheck.distributed.pool import POOL_ENV
-from stackcheck.harness import checkpoint, resume_process
+from stackcheck.harness import checkpoint
+from stackcheck.process import resume as resume_process
 from stackcheck.harness.subject import UnderTest
 from stackcheck.models import architectures
 

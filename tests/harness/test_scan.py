@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
-from stackcheck import REPO_ROOT, cli, hostinfo, scenario
+from stackcheck import REPO_ROOT, cli
+from stackcheck.core import hostinfo
+from stackcheck.harness import scenario
 from stackcheck.models import tiny
 from tests.harness.test_usage_errors import one_usage_line
 

@@ -1,17 +1,17 @@
-"""The facade `stackcheck.scenario` re-exports every phase module of `stackcheck/harness/` with `import *`: a name
+"""The facade `stackcheck.harness.scenario` re-exports every phase module of `stackcheck/harness/` with `import *`: a name
 two phase modules define would silently resolve to the last one imported (a family calling the other's helper gets
 the wrong function). Each public name of the facade's modules has one home."""
 
 import ast
 from pathlib import Path
 
-import stackcheck.scenario
+import stackcheck.harness.scenario
 
-HARNESS = Path(stackcheck.scenario.__file__).parent / "harness"
+HARNESS = Path(stackcheck.harness.scenario.__file__).parent
 
 
 def _facade_modules() -> list[str]:
-    tree = ast.parse(Path(stackcheck.scenario.__file__).read_text())
+    tree = ast.parse(Path(stackcheck.harness.scenario.__file__).read_text())
     return [node.module.rsplit(".", 1)[-1] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module.startswith("stackcheck.harness.")]
 
 
@@ -33,4 +33,4 @@ def test_no_two_facade_modules_define_the_same_public_name():
         for name in _public_names(module):
             homes.setdefault(name, []).append(module)
     clashes = {name: where for name, where in homes.items() if len(where) > 1}
-    assert not clashes, f"names defined in more than one module behind stackcheck.scenario: {clashes}"
+    assert not clashes, f"names defined in more than one module behind stackcheck.harness.scenario: {clashes}"

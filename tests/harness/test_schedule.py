@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from stackcheck import REPO_ROOT, schedule
-from stackcheck.lane import named_paths, parallel_options
-from stackcheck.locking import folder_locked
+from stackcheck import REPO_ROOT
+from stackcheck.child import schedule
+from stackcheck.runner.lane import named_paths, parallel_options
+from stackcheck.core.locking import folder_locked
 from stackcheck.models import tiny
 
 PARALLEL = ["-n", "4", "--dist", "load", "--maxschedchunk", "1"]
@@ -100,7 +101,7 @@ def test_a_parallel_run_hands_out_the_longest_first(tmp_path):
     durations.write_text(json.dumps({"seconds": seconds}))
     recorded = tmp_path / "recorded.json"
     # The scheduling plugin alone (not the families' plugin, which imports torch in each of the three processes).
-    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p stackcheck.schedule\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p stackcheck.child.schedule\n")
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path),
          *PARALLEL[:1], "2", *PARALLEL[2:], f"--stackcheck-durations={durations}", f"--stackcheck-record-durations={recorded}",
@@ -213,7 +214,7 @@ def test_a_recorded_run_measures_each_tests_cpu_and_the_hosts(tmp_path):
     the CPU floor."""
     (tmp_path / "test_cpu.py").write_text(CPU_PROBE)
     recorded = tmp_path / "recorded.json"
-    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p stackcheck.schedule\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p stackcheck.child.schedule\n")
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path),
          "-n", "2", f"--stackcheck-record-durations={recorded}", str(tmp_path / "test_cpu.py")],

@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from stackcheck import REPO_ROOT, cli, envs, lane, ledger, versions, wheelhouse
+from stackcheck import REPO_ROOT, cli
+from stackcheck.runner import envs, lane, wheelhouse
+from stackcheck.core import ledger, versions
 from stackcheck.core.cell import Cell
-from stackcheck.versions import UsageError, resolve
+from stackcheck.core.versions import UsageError, resolve
 
 PATH_OPTIONS = [
     (["matrix", "--results", "out/m.json"], "results", "out/m.json"),
@@ -252,7 +254,7 @@ def test_a_family_module_without_a_ledger_entry_fails_before_any_build(command, 
     assert "no entry for family module(s) test_new_family.py" in one_usage_line(code, capsys)
 
 
-# Issue 29: the rules every option follows (stackcheck.inputs), one test per wrong input, each in-process.
+# Issue 29: the rules every option follows (stackcheck.runner.inputs), one test per wrong input, each in-process.
 
 EMPTY_VALUES = [
     (["matrix", "--sets", ""], "--sets '': an empty value names nothing"),
@@ -580,7 +582,7 @@ def test_repro_from_a_results_file_refuses_a_pin_it_would_not_reproduce_on(tmp_p
 
 def test_repro_names_the_architecture_it_builds():
     from stackcheck.models import architectures
-    from stackcheck.triage import repro
+    from stackcheck.commands.triage import repro
 
     llama = dataclasses.asdict(architectures.builtin()["llama3"])
     assert repro.model_built("FIXTURES = {}", llama) == (": it builds a tiny random LlamaForCausalLM (`llama3`, shrunk from "

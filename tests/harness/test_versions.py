@@ -3,7 +3,7 @@
 import pytest
 
 from stackcheck import cli
-from stackcheck.versions import LIBRARIES, UsageError, load_sets, parse_pin, resolve
+from stackcheck.core.versions import LIBRARIES, UsageError, load_sets, parse_pin, resolve
 
 
 def test_every_named_set_pins_every_library_exactly():
@@ -68,7 +68,8 @@ def test_user_errors_print_one_line_and_exit_2(argv, message, capsys):
 def test_trl_is_pinnable_with_with_and_in_a_set(tmp_path):
     """trl is what users run beside the libraries: `--with trl==X` pins it, a set in sets.toml may pin it, and the
     installed versions (the report header, matrix.md's columns) name it."""
-    from stackcheck import envs, results, versions
+    from stackcheck.runner import envs
+    from stackcheck.core import results, versions
 
     (adhoc,) = resolve(["seed"], ["trl==1.13.0"])
     assert adhoc.pins["trl"].requirement() == "trl==1.13.0"

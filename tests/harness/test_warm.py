@@ -1,4 +1,4 @@
-"""The bytecode warmer (stackcheck.warm): a run of many xdist workers starts one process that imports the set's
+"""The bytecode warmer (stackcheck.process.warmer): a run of many xdist workers starts one process that imports the set's
 libraries into the bytecode cache, and each worker waits for its torch before importing torch itself."""
 
 import os
@@ -7,8 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-from stackcheck import envs, lane, warm
-from stackcheck.protocol import WARMING_ENV
+from stackcheck.runner import envs, lane
+from stackcheck.process import warmer as warm
+from stackcheck.core.protocol import WARMING_ENV
 
 
 def test_how_many_workers_a_run_starts():
@@ -20,8 +21,8 @@ def test_how_many_workers_a_run_starts():
 def test_the_workers_wait_for_the_warmers_first_library_and_read_what_it_wrote(monkeypatch, tmp_path):
     environ = envs.bytecode_cache(dict(os.environ, PYTHONPYCACHEPREFIX=str(tmp_path)))
     assert warm.start(Path(sys.executable), warm.FROM_WORKERS - 1, environ) is None and WARMING_ENV not in environ
-    monkeypatch.setattr(warm, "IMPORTS", ("no_such_library", "stackcheck.cuda_driver", "stackcheck.gpu_wait"))
-    monkeypatch.setattr(warm, "FIRST", "stackcheck.cuda_driver")
+    monkeypatch.setattr(warm, "IMPORTS", ("no_such_library", "stackcheck.process.cuda_driver", "stackcheck.process.gpu_wait"))
+    monkeypatch.setattr(warm, "FIRST", "stackcheck.process.cuda_driver")
     warmer = warm.start(Path(sys.executable), warm.FROM_WORKERS, environ)
     assert warm.wait_for_torch(environ) < warm.WAIT_SECONDS
     assert list(tmp_path.rglob("cuda_driver*.pyc")), "a worker would go on before the warmer wrote its first library"

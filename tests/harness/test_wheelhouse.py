@@ -7,9 +7,9 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from stackcheck import wheelhouse
-from stackcheck.envs import EnvBuildError
-from stackcheck.versions import UsageError, resolve
+from stackcheck.runner import wheelhouse
+from stackcheck.runner.envs import EnvBuildError
+from stackcheck.core.versions import UsageError, resolve
 
 
 def make_wheel(folder: Path, name: str, version: str, requires=(), files=()) -> Path:

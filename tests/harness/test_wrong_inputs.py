@@ -91,7 +91,7 @@ def test_bisect_and_repro_read_test_ids_alike(test_id, tmp_path):
 @pytest.mark.parametrize("test_id", ["tests/families/test_params4bit_kwargs.py", "test_offload_hook_moves_loaded_param_to_meta[cpu]",
                                      FAMILY_TEST + "[]"])
 def test_a_malformed_test_id_is_refused_by_both(test_id):
-    from stackcheck.lane import TEST_ID_FORM as form
+    from stackcheck.runner.lane import TEST_ID_FORM as form
     for argv in (["bisect", "accelerate", "--good", "1.15.0", "--bad", "1.13.0"], ["repro", "--sets", "seed"]):
         assert refused(*argv, "--test", test_id) == f"stackcheck: '{test_id}' is not a family test id: {form}"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from stackcheck import REPO_ROOT
-from stackcheck.locking import folder_locked, run_folder
-from stackcheck.plugin import gpu_lane_skip_reason, visible_gpus, worker_gpus
+from stackcheck.core.locking import folder_locked, run_folder
+from stackcheck.child.plugin import gpu_lane_skip_reason, visible_gpus, worker_gpus
 
 PROBE = """
 import os
@@ -126,8 +126,8 @@ def test_alone(worker_id, index):
 
 
 def test_loadgroup_keeps_each_pool_group_on_one_worker(tmp_path):
-    """What the matrix runs with pools (stackcheck.lane.parallel_options): `--dist loadgroup --no-loadscope-reorder`.
-    pytest-xdist 3.8's own grouping is lost under pytest 9 (stackcheck.schedule); stackcheck's scheduler keeps it:
+    """What the matrix runs with pools (stackcheck.runner.lane.parallel_options): `--dist loadgroup --no-loadscope-reorder`.
+    pytest-xdist 3.8's own grouping is lost under pytest 9 (stackcheck.child.schedule); stackcheck's scheduler keeps it:
     every test of a group on one worker (without it, xdist hands them out one by one)."""
     (tmp_path / "test_grouped.py").write_text(GROUPED_PROBE)
     out = tmp_path / "out"

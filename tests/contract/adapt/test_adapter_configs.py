@@ -36,7 +36,7 @@ leaves out the head's copy fails the saved-tensor check (the guard test).
 
 import pytest
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 ROUND_TRIP_TOLERANCE = 0.01
 QUANT = {"nf4": True, "bf16": False}

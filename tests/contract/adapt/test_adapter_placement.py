@@ -38,7 +38,7 @@ layer alone measures 0.4805 (Llama 3, the guard test), left off everywhere 1.000
 
 import pytest
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 TOLERANCE = 0.05
 

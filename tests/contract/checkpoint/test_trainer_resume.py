@@ -6,7 +6,7 @@ the optimizer's state, the learning-rate scheduler's, the RNG states, the traine
 builds the same run and calls `trainer.train(resume_from_checkpoint="checkpoint-2")`. Fresh means a process that never
 trained: it holds nothing of the run but what the checkpoint holds. Plain pytest starts a new one for each cell; the
 matrix commands hand the resume to the worker's warm resume process, which imported the libraries once and resumed
-other cells before (stackcheck.harness.resume_process; tests/harness/test_resume_process.py: the same Record, bit for
+other cells before (stackcheck.process.resume; tests/harness/test_resume_process.py: the same Record, bit for
 bit, as a new process).
 
 The property, against the same run trained 4 steps in one go: the resumed process begins at the checkpoint's step
@@ -42,7 +42,7 @@ another RNG state (step 3's loss by 3.6e-3), 0.67 with the scheduler back at ste
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.harness import checkpoint
 from stackcheck.models import architectures
 
@@ -106,7 +106,7 @@ def cpu_cell_picked(name: str, optim: str) -> bool:
 
 def resumes(params: dict) -> bool:
     """Whether the cell of these parameters resumes (the CPU lane's pick and every GPU cell): the cells that share a
-    warm resume process (stackcheck.harness.resume_process)."""
+    warm resume process (stackcheck.process.resume)."""
     return params["lane"] != "cpu" or cpu_cell_picked(params["arch"].name, params["optim"])
 
 

@@ -75,7 +75,7 @@ import re
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.distributed import rank as rank_side, recipes
 from stackcheck.distributed.cells import WORLD_SIZES
 from stackcheck.models import architectures, tiny
@@ -216,7 +216,7 @@ def test_ddp_qlora_steps_match_one_process(ranks, world_size, device_map):
 @pytest.mark.gpu
 @pytest.mark.gpus(2)
 def test_one_process_on_two_gpus_matches_one_gpu(tmp_path):
-    """In the test's own process, which sees every GPU (under xdist too: stackcheck.plugin.worker_gpus)."""
+    """In the test's own process, which sees every GPU (under xdist too: stackcheck.child.plugin.worker_gpus)."""
     from transformers import Trainer, TrainingArguments
 
     under_test = scenario.UnderTest(architectures.builtin()[ARCHITECTURE], scenario.lane_device("gpu"))

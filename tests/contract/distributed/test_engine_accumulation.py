@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.distributed import rank as rank_side, recipes
 from stackcheck.distributed.cells import WORLD_SIZES
 from stackcheck.models import architectures, tiny

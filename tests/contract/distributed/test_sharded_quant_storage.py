@@ -57,7 +57,7 @@ loading GPU only (accelerate's FSDP plugin asks an accelerator device for sync_m
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.distributed import memory, rank as rank_side, recipes
 from stackcheck.distributed.cells import WORLD_SIZES
 from stackcheck.models import architectures, tiny

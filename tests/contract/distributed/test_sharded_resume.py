@@ -61,7 +61,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.distributed import rank as rank_side, recipes
 from stackcheck.distributed.cells import WORLD_SIZES
 from stackcheck.models import architectures, tiny

@@ -62,7 +62,7 @@ CPU lane: every cell's gloo variant runs where bitsandbytes has a CPU kernel for
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.distributed import rank as rank_side, recipes
 from stackcheck.distributed.cells import WORLD_SIZES
 from stackcheck.models import architectures, tiny

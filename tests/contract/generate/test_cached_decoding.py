@@ -34,7 +34,7 @@ The bitsandbytes bug is filed by the base's kind in the message: "4-bit base" ce
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.harness.generate import decoded
 
 CACHE_TOLERANCE = 0.01

@@ -55,7 +55,7 @@ import gc
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 FITS, TIGHT = 1.5, 0.9
 BUDGETS = {"fits": FITS, "tight": TIGHT}

@@ -10,7 +10,7 @@ the asked dtype; an 8-bit layer holds int8 codes and one scale per row. What the
 A failure names what was left in 16 bits, by layer kind (`model.layers.*.self_attn.o_proj`), not only how much.
 
 This generalises the `quantized_experts` family (fused experts, one layer kind) to every layer kind, and makes
-quantization an axis, covered by pairs with the architecture (`stackcheck.harness.axes`): NF4 and FP4, double quant
+quantization an axis, covered by pairs with the architecture (`stackcheck.child.axes`): NF4 and FP4, double quant
 on and off (LLM.int8 has none: its cells load as without it), the model's dtype which is also the compute dtype
 (bf16, fp16, fp32), 8-bit beside 4-bit, and the skip list (`scenario.SKIPS`: transformers' defaults, or the user's
 own list with the head, which a user's list must repeat, `skip_modules_drop_default_skips`, beside: the first decoder
@@ -46,7 +46,7 @@ in 16 bits by the entry `model.layers.0.mlp.shared_expert` (`skip_modules_siblin
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.models import footprint
 
 def kept_by_the_model(model) -> list[str]:

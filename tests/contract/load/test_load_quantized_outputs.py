@@ -63,7 +63,7 @@ Precondition proven: the reference is the checkpoint; the model holds bitsandbyt
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 GRID_TOLERANCE = 1.25
 LOGIT_TOLERANCE = 1.25

@@ -34,7 +34,7 @@ import math
 
 import pytest
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 CYCLES = 20
 # One merge's rounding and one unmerge's: the furthest a single cycle can leave the base.

@@ -27,7 +27,7 @@ merge_parity and is filed under the same bug (the guard test).
 
 import pytest
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 QUANT = {"nf4": True, "bf16": False}
 

@@ -32,7 +32,7 @@ reloads exactly (0.0000) on every dense model.
 
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.models import tiny
 
 RELOAD_TOLERANCE = 0.01

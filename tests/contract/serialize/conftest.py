@@ -1,11 +1,11 @@
-"""The serialize phase's fixture: the base-checkpoint exchange (stackcheck.exchange), beside the results file, one
+"""The serialize phase's fixture: the base-checkpoint exchange (stackcheck.child.exchange), beside the results file, one
 folder per architecture, as the plugin's `adapter_exchange` is for adapters."""
 
 from pathlib import Path
 
 import pytest
 
-from stackcheck import exchange
+from stackcheck.child import exchange
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ architecture, seed and latest (transformers 4.57.6 too); every other cell fails 
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.harness import serialize
 
 QUANTIZATION = {"bf16": "bf16", "nf4_dq": "nf4_dq", "nf4": "nf4", "int8": "int8"}

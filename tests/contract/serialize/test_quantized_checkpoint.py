@@ -6,7 +6,7 @@ it with `save_pretrained` (in several shards, as every real checkpoint is: `seri
 that checkpoint with `from_pretrained`, whose own `quantization_config` decides, nothing quantized again. On every
 architecture, a mixture of experts included (Mixtral, Qwen3-MoE).
 
-The upgrade: each set leaves the checkpoints it saved in the run's base-checkpoint exchange (`stackcheck.exchange`,
+The upgrade: each set leaves the checkpoints it saved in the run's base-checkpoint exchange (`stackcheck.child.exchange`,
 kind `base`); a later set of the run loads its baseline's (`matrix --sets t4,latest`: transformers 4.57.6 writes,
 5.23.0 reads). A set that cannot build the architecture (t4 has no Gemma 4) says so, and the reading cell is
 not applicable; a checkpoint of a newer transformers major read by an older one is not applicable either.
@@ -38,8 +38,8 @@ import pytest
 import torch
 from packaging.version import Version
 
-from stackcheck import scenario
-from stackcheck.exchange import ExportMissing
+from stackcheck.harness import scenario
+from stackcheck.child.exchange import ExportMissing
 from stackcheck.harness import serialize
 from stackcheck.models import tiny
 

@@ -81,7 +81,7 @@ import contextlib
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.harness import memory
 from stackcheck.models.tiny import NotApplicable
 

@@ -58,7 +58,7 @@ takes the first.
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 GRADIENT_TOLERANCE = 0.01
 # The base's quantization: NF4 (double quant), and LLM.int8, whose layers keep their int8 codes and row scales (CB, SCB)

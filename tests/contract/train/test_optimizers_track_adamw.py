@@ -90,7 +90,7 @@ import math
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 
 STEPS = 3
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}

@@ -49,7 +49,7 @@ import math
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.harness import trainer
 
 CHECKPOINTING = {"reentrant": True, "non_reentrant": False}

@@ -31,7 +31,7 @@ Tolerances (measured in docs/contract-trl-architectures.md): see the constants.
 
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.harness import trainers
 from stackcheck.models import tiny
 

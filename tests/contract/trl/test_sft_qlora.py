@@ -41,7 +41,7 @@ lowers and dtype noise, across the effect, does not.
 import pytest
 import torch
 
-from stackcheck import scenario
+from stackcheck.harness import scenario
 from stackcheck.harness import trainers
 from stackcheck.harness.trainer import one_device
 from stackcheck.models import tiny

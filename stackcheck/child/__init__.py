@@ -1,0 +1,1 @@
+"""The pytest child: every stackcheck pytest plugin."""

@@ -1,0 +1,168 @@
+"""Probes: one version set run through some families, kept in a store that `history` and `bisect` share,
+so that neither runs a probe the other (or an earlier run) already ran.
+
+A probe is known by its key: what its environment installs (`envs.environment_requirements`: the pins,
+torch's source, the test requirements), the platform facts that choose a code path (`probe_platform`) and
+the lanes. The store (results/probes.json) holds one entry per key with its family cells, the
+fingerprint of the family definitions they ran under, the installed versions, what the run cost (lane.run_timed)
+and how many probes ran beside it. An entry answers a later probe of the same key and fingerprint for any
+families it holds; a run under other definitions replaces it. Every probe is written the moment it ends
+(atomically), so a crash loses only the probes in flight.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stackcheck import REPO_ROOT
+from stackcheck.runner import envs, lane
+from stackcheck.core import hostinfo, results
+from stackcheck.core.versions import VersionSet
+
+
+# One store for every command and package: a probe's key says what it ran, whatever asked for it.
+DEFAULT_STORE = REPO_ROOT / "results" / "probes.json"
+
+
+def probe_platform(lanes: tuple[str, ...]) -> dict[str, str]:
+    """The facts of this host that can change a verdict in `lanes`: the architecture and the CPU flags that
+    choose torch's and bitsandbytes' CPU kernels, and in the GPU lane the GPU (read without importing torch
+    when there is no GPU lane)."""
+    facts = {"machine": platform.machine(), "cpu_flags": hostinfo.cpu_facts()["cpu_flags"]}
+    if "gpu" in lanes:
+        facts["gpu"] = envs.cuda_device()
+    return facts
+
+
+def probe_key(vset: VersionSet, lanes: tuple[str, ...], options: tuple[str, ...] = ()) -> dict:
+    """What a probe's cells depend on besides the family definitions: the environment, the platform facts that
+    choose a code path, the lanes and the pytest options (the architectures under test, `lane.arch_options`)."""
+    requirements, inherit = envs.environment_requirements(vset)
+    if inherit:  # the host's torch, whose version then belongs to the key
+        requirements = [f"torch=={importlib.metadata.version('torch')} (the host's)", *requirements]
+    return {"requirements": sorted(requirements), "platform": probe_platform(lanes), "lanes": sorted(lanes),
+            "options": list(options)}
+
+
+@dataclass
+class Probe:
+    """What a probe found: its cells and whether they came from the store rather than a run."""
+
+    label: str
+    cells: list[dict]
+    reused: bool
+    costs: dict = field(default_factory=dict)
+    concurrent: int = 1  # probes running at once when it ran
+    versions: dict = field(default_factory=dict)  # what its environment had installed
+    built: bool = True  # False: its environment could not be built, and its cells say so
+
+
+class ProbeStore:
+    """The JSON file of probes; safe to use from the threads of one process."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+        if path.exists():
+            self._load()  # a damaged store is a usage error before anything runs
+
+    def _load(self) -> dict:
+        if not self.path.exists():
+            return {"probes": []}
+        return results.read_checked_json(self.path, _shape_problem, "probe store")
+
+    def entry(self, key: dict) -> dict | None:
+        """The stored probe of this key under the checkout's family definitions, if there is one."""
+        with self._lock:
+            data = self._load()
+        fingerprint = results.fingerprint()
+        return next((e for e in data["probes"] if e["key"] == key and e["fingerprint"] == fingerprint), None)
+
+    def probe(self, key: dict, label: str, families: list[str]) -> Probe | None:
+        """The stored probe of this key, with the cells of `families`, when it ran all of them."""
+        stored = self.entry(key)
+        if stored is None or not set(families) <= set(stored["families"]):
+            return None
+        cells = [c for c in stored["cells"] if c["family"] in families]
+        return Probe(label, cells, reused=True, costs=stored["costs"], concurrent=stored["concurrent"], versions=stored["versions"])
+
+    def add(self, key: dict, label: str, families: list[str], cells: list[dict], versions: dict, costs: dict,
+            concurrent: int) -> None:
+        """Record a probe. Under the same definitions its families' cells replace those stored for the key
+        (other families' stay); under other definitions the whole entry is replaced."""
+        fingerprint = results.fingerprint()
+        with self._lock:
+            data = self._load()
+            old = next((e for e in data["probes"] if e["key"] == key), None)
+            same = old is not None and old["fingerprint"] == fingerprint
+            kept = [c for c in old["cells"] if c["family"] not in families] if same else []
+            entry = {
+                "key": key, "label": label, "fingerprint": fingerprint,
+                # The families it ran, those of a run before kept (a family may have no cell: re-running another keeps it).
+                "families": sorted((set(old["families"]) if same else set()) | set(families)),
+                "versions": versions, "cells": kept + cells,
+                "costs": {name: round(value, 2) if value is not None else None for name, value in costs.items()},
+                "concurrent": concurrent, "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+            }
+            data["probes"] = [e for e in data["probes"] if e["key"] != key] + [entry]
+            results.write_json(self.path, data)
+
+
+def _shape_problem(data) -> str | None:
+    if not isinstance(data, dict) or not isinstance(data.get("probes"), list):
+        return "it has no `probes` list"
+    for index, entry in enumerate(data["probes"]):
+        if not isinstance(entry, dict) or not {"key", "label", "fingerprint", "families", "cells"} <= entry.keys():
+            return f"probe {index} lacks key, label, fingerprint, families or cells"
+    return None
+
+
+class Prober:
+    """Runs sets through families in `lanes`, or answers from the store when it holds the probe."""
+
+    def __init__(self, store: ProbeStore | None, find_links=(), no_index: bool = False, lanes: tuple[str, ...] = ("cpu",),
+                 threads: int | None = None, options: tuple[str, ...] = ()):
+        self.store, self.find_links, self.no_index, self.lanes = store, list(find_links), no_index, lanes
+        self.options = tuple(options)  # pytest options of every probe: the architectures (`lane.arch_options`)
+        # Each probe's CPU threads (OMP_NUM_THREADS, which torch follows); None leaves torch's default.
+        self.threads = threads
+
+    def key(self, vset: VersionSet) -> dict:
+        return probe_key(vset, self.lanes, self.options)
+
+    def stored(self, label: str, vset: VersionSet, families: list[str]) -> Probe | None:
+        return self.store.probe(self.key(vset), label, families) if self.store else None
+
+    def build(self, vset: VersionSet) -> None:
+        """Build the set's environment ahead of its probe (the probe then reuses it)."""
+        envs.build(vset, self.find_links, self.no_index)
+
+    def probe(self, label: str, vset: VersionSet, families: list[str], concurrent: int = 1,
+              environment: float | None = None, env: dict[str, str] | None = None, fresh: bool = False) -> Probe:
+        """`environment`: the seconds its environment took when `build` made it ahead of the probe; `env`:
+        variables for its pytest process (stackcheck.core.progress); `fresh`: run it even when the store holds it (a
+        flake check: the store would answer with the run being checked)."""
+        stored = None if fresh else self.stored(label, vset, families)
+        if stored is not None:
+            print(f"== probe {label}: from {self.store.path.name} (same environment, family definitions and platform)", flush=True)
+            return stored
+        key = self.key(vset)
+        env = {**(env or {}), **({"OMP_NUM_THREADS": str(self.threads)} if self.threads else {})}
+        with tempfile.TemporaryDirectory(prefix="stackcheck-probe-") as scratch:
+            matrix = Path(scratch) / "matrix.json"
+            ran, costs = lane.run_timed(vset, lane.family_targets(families), matrix, self.find_links, self.no_index,
+                                        lanes=self.lanes, env=env, options=list(self.options))
+            cells = [cell.to_dict() for cell in ran]  # the store keeps matrix.json's cells as they are on disk
+            installed = {k: v for k, v in results.load(matrix)["sets"].get(vset.name, {}).items() if k != "platform"}
+        if environment is not None:
+            costs |= {"environment": environment, "total": costs["total"] - costs["environment"] + environment}
+        built = installed.get("env") != "not built"
+        if self.store and built:  # an environment that did not build may build next time (a network hiccup)
+            self.store.add(key, label, families, cells, installed, costs, concurrent)
+        return Probe(label, cells, reused=False, costs=costs, concurrent=concurrent, versions=installed, built=built)

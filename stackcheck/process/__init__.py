@@ -1,0 +1,1 @@
+"""Process machinery both sides use: warm processes, isolation between cells, GPU waiting, the CUDA driver."""

@@ -1,0 +1,237 @@
+"""A warm resume process: the trainer_resume family's second process, started once and handed many cells' resumes in
+turn (with the warm rank pools: the matrix commands turn both on, STACKCHECK_RANK_POOL=0 turns both off; plain pytest
+and the harness's tests start a new process for every resume, stackcheck.harness.checkpoint).
+
+What the family needs of that process is that it is not the one that trained: it holds nothing of the run but what the
+checkpoint holds. A warm process never trained either: it starts as the per-cell process starts (the same
+interpreter, `python -m`, the same environment and working folder, waiting on the GPU as its worker does), imports the
+libraries once, and for each cell builds the run from the cell's call file and resumes it (checkpoint.resume_from_call,
+the code the per-cell process runs). Between two cells it resets what a cell leaves in a process
+(isolation.leave_the_cell: accelerate's, dynamo's and DeepSpeed's process-wide state, the environment, the working
+folder, the default dtype, garbage and the CUDA cache); the Trainer seeds the RNGs when it is built and a resume then loads the checkpoint's RNG states,
+so no cell's RNG depends on the cells before it. A cell that raises there ends the process (its Failure is written
+first, as the per-cell process writes it), and so does one that outlives the timeout (killed); the next cell of that
+worker starts a new one. The guard (tests/harness/test_resume_process.py) resumes one checkpoint in a per-cell process
+and twice in a warm one, after another architecture's resume: the three Records are equal, bit for bit.
+
+The cost it cuts: a per-cell process paid its imports, CUDA's start and the first kernels again, about 12 CPU-seconds on
+an H100 host for two training steps of a tiny model (docs/speed.md). Under xdist each worker has its own warm
+process, so the cells that may share one carry an xdist group (`groups`), a few cells each: one worker takes a group's
+cells in turn and starts the process once.
+
+The parent talks to the process over two pipes (a call file's path in, "ok" or "failed" out); the process's output
+goes to a log whose part for a cell is that cell's output. A process whose owner died reads the end of its pipe and
+exits."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stackcheck import REPO_ROOT
+
+# The cells of one lane that share an xdist group (so one warm process): few enough that a group's cells, in turn on
+# one worker, stay shorter than the run (on one H100 a GPU cell takes 13 to 25 s with a per-cell process).
+CELLS_PER_GROUP = 5
+MARK = "resume_process"  # a test that resumes through `resume` (its cells get a `group`)
+OK, FAILED = "ok", "failed"
+
+
+def enabled() -> bool:
+    """Whether resumes go to a warm process: with the warm rank pools (STACKCHECK_RANK_POOL, a usage error otherwise)."""
+    from stackcheck.distributed import pool
+
+    return pool.enabled()
+
+
+def groups(items: list) -> dict[str, str]:
+    """{node id: xdist group} of the collected items that resume (MARK, whose argument, given the item's parameters,
+    says whether its cell resumes): each lane's, in node id order, CELLS_PER_GROUP to a group."""
+    counts: dict[str, int] = {}
+    found = {}
+    for item in sorted(items, key=lambda item: item.nodeid):
+        mark = item.get_closest_marker(MARK)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if mark is None or (mark.args and not mark.args[0](params)):
+            continue
+        lane = params.get("lane", "cpu")
+        index = counts[lane] = counts.get(lane, -1) + 1
+        found[item.nodeid] = f"resume-{lane}-{index // CELLS_PER_GROUP}"
+    return found
+
+
+@dataclass
+class Warm:
+    key: tuple
+    process: subprocess.Popen
+    requests: int  # the write end of the process's call pipe
+    answers: int  # the read end of its answer pipe
+    log: Path
+    started: float = field(default_factory=time.monotonic)
+    cells: int = 0
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+_warm: dict[tuple, Warm] = {}
+
+
+def key_of(env: dict) -> tuple:
+    from stackcheck.distributed.pool import lasting_environment
+
+    return (sys.executable, lasting_environment(env))
+
+
+def start(key: tuple, env: dict) -> Warm:
+    """The warm process for `key` (one at a time in a process: another key's is closed first)."""
+    for other in list(_warm.values()):
+        close(other)
+    call_read, call_write = os.pipe()
+    answer_read, answer_write = os.pipe()
+    handle, log = tempfile.mkstemp(prefix="stackcheck-resume-", suffix=".log")
+    with os.fdopen(handle, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", __name__, str(call_read), str(answer_write)], cwd=REPO_ROOT,
+                                   env=env, stdout=out, stderr=subprocess.STDOUT, pass_fds=(call_read, answer_write),
+                                   start_new_session=True)
+    os.close(call_read)
+    os.close(answer_write)
+    warm = _warm[key] = Warm(key, process, call_write, answer_read, Path(log))
+    return warm
+
+
+def close(warm: Warm) -> None:
+    """End the process (its call pipe closed: it exits; killed if it does not within seconds) and remove its log."""
+    _warm.pop(warm.key, None)
+    for fd in (warm.requests, warm.answers):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    try:
+        warm.process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        kill(warm)
+    warm.log.unlink(missing_ok=True)
+
+
+def kill(warm: Warm) -> None:
+    try:
+        os.killpg(warm.process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    warm.process.wait()
+
+
+@atexit.register
+def close_all() -> None:
+    for warm in list(_warm.values()):
+        close(warm)
+
+
+def resume(call: Path, env: dict, timeout: float) -> tuple[int, str]:
+    """The resume of `call` (checkpoint.resume_call's file) in the warm process for `env`: (0, "") once it wrote its
+    Record; otherwise what a per-cell process would give, its exit status (1 where it raised: it wrote the Failure
+    first) and its output for this cell, the process then ended. Past `timeout` seconds, subprocess.TimeoutExpired,
+    as subprocess.run raises it, the process killed."""
+    key = key_of(env)
+    warm = _warm.get(key)
+    if warm is not None and not warm.alive():
+        close(warm)
+        warm = None
+    if warm is None:
+        warm = start(key, env)
+    offset = warm.log.stat().st_size
+    try:
+        os.write(warm.requests, f"{call}\n".encode())
+    except BrokenPipeError:
+        pass  # it ended before this call: its status and output below
+    warm.cells += 1
+    answer = read_answer(warm, timeout)
+    if answer == OK:
+        return 0, ""
+    if answer is None and warm.alive():  # out of time
+        kill(warm)
+        output = read_from(warm.log, offset)
+        close(warm)
+        raise subprocess.TimeoutExpired([sys.executable, "-m", __name__], timeout, output=output)
+    try:
+        returncode = warm.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        kill(warm)
+        returncode = warm.process.returncode
+    output = read_from(warm.log, offset)
+    close(warm)
+    return returncode or 1, output
+
+
+def read_answer(warm: Warm, timeout: float) -> str | None:
+    """The process's answer line; None when it ended without one or did not answer within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        ready, _, _ = select.select([warm.answers], [], [], left)
+        if not ready:
+            return None
+        chunk = os.read(warm.answers, 64)
+        if not chunk:  # it exited
+            return None
+        data += chunk
+    return data.decode().strip()
+
+
+def read_from(log: Path, offset: int) -> str:
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def serve(calls_fd: int, answers_fd: int) -> int:
+    """The warm process: each call file read from `calls_fd` resumed in turn (checkpoint.resume_from_call), "ok" or
+    "failed" written to `answers_fd`; ends at the end of the calls (its owner closed them or died) or after a cell that
+    raised."""
+    import traceback
+    import warnings
+
+    from stackcheck.process import gpu_wait
+    from stackcheck.harness import checkpoint
+    from stackcheck.process.isolation import leave_the_cell
+
+    gpu_wait.follow_the_worker()
+    warnings.filterwarnings("ignore")
+    environ, cwd = dict(os.environ), os.getcwd()
+    with os.fdopen(calls_fd, "r") as calls, os.fdopen(answers_fd, "w") as answers:
+        for line in calls:
+            try:
+                checkpoint.resume_from_call(Path(line.strip()))
+            except Exception:  # its Failure is written; the traceback goes to the log, as a per-cell process's does
+                traceback.print_exc()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                answers.write(f"{FAILED}\n")
+                answers.flush()
+                return 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            leave_the_cell(environ, cwd)
+            answers.write(f"{OK}\n")
+            answers.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve(int(sys.argv[1]), int(sys.argv[2])))

@@ -1,0 +1,280 @@
+"""One virtual environment per version set: the pinned libraries over the platform's torch.
+
+uv builds them where it is installed (it is, wherever nox came with `nox[uv]`); plain venv + pip is the
+fallback for hosts without it. An environment that inherits the host's torch (a GPU machine's CUDA build)
+is always built with venv + pip: the host's site-packages are appended through a `.pth` file, which pip
+sees as installed packages and uv does not.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from stackcheck import REPO_ROOT
+from stackcheck.process import cuda_driver
+from stackcheck.core import protocol
+from stackcheck.core.locking import folder_locked
+from stackcheck.core.versions import UsageError, VersionSet
+
+ENVS_DIR = REPO_ROOT / ".stackcheck" / "envs"
+# pip's find-links directory on this kind of machine holds the CPU torch wheel; uv does not look there.
+LOCAL_WHEEL_DIRS = [d for d in os.environ.get(protocol.WHEEL_DIRS_ENV, "/opt/wheels").split(os.pathsep) if d]
+
+
+# Where the set's processes keep the bytecode of what they import (PYTHONPYCACHEPREFIX): the pytest runs, their xdist
+# workers, ranks and fresh processes. Where the environment says PYTHONDONTWRITEBYTECODE=1 (this project's machines
+# and the GPU image do), Python reads .pyc files but never writes them, and every interpreter compiled torch,
+# transformers and DeepSpeed from source again (about 3600 modules: 10.7 s against 4.2 s to import them; the GPU
+# image's torch has no .pyc at all). Here the first process compiles and writes, every later one reads; nothing is
+# written beside anyone's sources. A prefix the user set is kept.
+PYCACHE_DIR = REPO_ROOT / ".stackcheck" / "pycache"
+
+
+def bytecode_cache(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` for a set's process: bytecode written and read under PYCACHE_DIR (or the user's own prefix)."""
+    variables = {name: value for name, value in environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
+    variables.setdefault("PYTHONPYCACHEPREFIX", str(PYCACHE_DIR))
+    return variables
+
+
+class EnvBuildError(Exception):
+    """The set's environment could not be built (a dependency conflict, a missing wheel)."""
+
+
+# What `stackcheck wheelhouse` writes beside the wheels: per set, the wheels uv resolved for the target.
+WHEELHOUSE_MANIFEST = "wheelhouse.json"
+
+# What every environment holds beside the set's pins: the test runner, the distributed families' DeepSpeed, and trl
+# (the trainers users run over the libraries).
+FAMILY_EXTRAS = ("test", "dist", "trl")
+# Groups the `tests` and `bench` environments add: the tests run the bench's CPU smoke mode.
+BENCH_GROUPS = ("bench",)
+# What the `tests` environment adds to those: the report's page and its browser tests (an offline host's wheelhouse
+# does not carry them, so `tests --no-index` leaves them out and those tests skip there).
+REPORT_GROUPS = ("report", "browser")
+
+
+def test_requirements(vset: VersionSet, groups: tuple[str, ...] = ()) -> list[str]:
+    """What an environment holds beside the set's pins and torch: pyproject's FAMILY_EXTRAS, plus the
+    optional-dependency `groups` named, less the packages the set pins itself (its deepspeed or trl, say)."""
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return [requirement for group in (*FAMILY_EXTRAS, *groups) for requirement in extras[group]
+            if canonicalize_name(Requirement(requirement).name) not in vset.pins]
+
+
+# No torch here and no local wheel: the package index's, as pip would choose it.
+INDEX_TORCH = "torch"
+
+
+def torch_source(vset: VersionSet) -> tuple[list[str], bool]:
+    """(requirements, inherit host site-packages). A set's own torch pin wins; otherwise the torch
+    already present is used: the host's (a GPU machine's CUDA build), else a local wheel, else the package
+    index's. Inheriting needs the host's pip too, which installs the pins over it; a uv-built environment (a
+    set's own, running the harness tests) has none, and uv would not see the inherited torch and fetch another."""
+    if "torch" in vset.pins:
+        return [vset.pins["torch"].requirement()], False
+    if all(importlib.util.find_spec(name) is not None for name in ("torch", "pip")):
+        return [], True
+    wheels = sorted(w for d in LOCAL_WHEEL_DIRS for w in glob.glob(os.path.join(d, "torch-*.whl")))
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    wheels = [w for w in wheels if f"-{tag}-" in w]
+    return ([f"torch @ {Path(wheels[-1]).as_uri()}"] if wheels else [INDEX_TORCH]), False
+
+
+def torch_note(vset: VersionSet) -> str:
+    """The one line that says where the set's environment takes torch from."""
+    torch_requirements, inherit = torch_source(vset)
+    if inherit:
+        return f"torch for set {vset.name}: the host's ({sys.executable})"
+    if torch_requirements != [INDEX_TORCH]:
+        return f"torch for set {vset.name}: {torch_requirements[0]}"
+    return (f"torch for set {vset.name}: the package index's newest (no torch here, no wheel in STACKCHECK_WHEEL_DIRS); "
+            "from PyPI that is a CUDA build of several GB: UV_TORCH_BACKEND=cpu takes the CPU build (docs/running.md)")
+
+
+_HEADLINE = re.compile(r"^(?:×|error:|ERROR:)\s*", re.IGNORECASE)
+_CAUSE = re.compile(r"^(?:[├╰]─▶|cause:|caused by:)\s*", re.IGNORECASE)
+REASON_CHARS = 400
+
+
+_OTHER = re.compile(r"^(?:fatal:|hint:|help:|warning:|---)", re.IGNORECASE)
+
+
+def failure_reason(output: str) -> str:
+    """The one line that says why an installer failed, from its output: uv's headline with its innermost cause
+    (git's own `fatal:` line where a git pin failed), or pip's last ERROR line. A message the installer wrapped
+    over several lines is one again."""
+    lines = []  # one entry per message: a line that starts none continues the one before
+    for line in (line.strip() for line in output.splitlines()):
+        if not line:
+            continue
+        if lines and not (_HEADLINE.match(line) or _CAUSE.match(line) or _OTHER.match(line)):
+            lines[-1] += " " + line
+        else:
+            lines.append(line)
+    headlines = [_HEADLINE.sub("", line) for line in lines if _HEADLINE.match(line)]
+    innermost = ([line for line in lines if line.startswith("fatal:")] or [_CAUSE.sub("", line) for line in lines if _CAUSE.match(line)])[-1:]
+    if headlines and innermost:
+        reason = f"{headlines[0].rstrip(':')}: {innermost[0]}"
+    else:
+        reason = (headlines or lines or ["no output"])[-1]
+    return reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 3] + "..."
+
+
+def _run(command: list[str], log: Path | None = None, quiet: bool = False) -> None:
+    """Run an installer step; its error output is kept (in `log`) and, when it fails, its reason is the error's.
+    `quiet`: a check, whose command and output say nothing unless it fails."""
+    if not quiet:
+        print("+", " ".join(command), flush=True)
+    completed = subprocess.run(command, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE, text=True,
+                               errors="replace")
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(completed.stderr)
+    if completed.returncode != 0:
+        where = f" (its whole output: {log})" if log is not None else ""
+        raise EnvBuildError(f"{' '.join(Path(command[0]).name.split() + command[1:3])}: {failure_reason(completed.stderr)}{where}")
+    if completed.stderr.strip() and not quiet:
+        print(completed.stderr.rstrip(), file=sys.stderr, flush=True)  # warnings of a step that worked
+
+
+def check_available(requirements: list[str], find_links: list[str] = (), no_index: bool = False) -> None:
+    """Each requirement can be installed from the package index (or the --find-links folders) on this Python: asks
+    the index (uv pip compile --no-deps, else pip install --dry-run --no-deps), builds nothing. EnvBuildError with the
+    installer's reason otherwise."""
+    index_args = [arg for link in find_links for arg in ("--find-links", link)] + (["--no-index"] if no_index else [])
+    uv = shutil.which("uv")
+    with tempfile.TemporaryDirectory(prefix="stackcheck-pins-") as scratch:
+        listed = Path(scratch) / "requirements.txt"
+        listed.write_text("\n".join(requirements) + "\n")
+        if uv:
+            python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
+            _run([uv, "pip", "compile", "--quiet", "--no-deps", "--no-header", "--python-version", python_version,
+                  *index_args, str(listed)], quiet=True)
+        else:
+            _run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-deps", "--ignore-installed",
+                  "--disable-pip-version-check", *index_args, "-r", str(listed)], quiet=True)
+
+
+def environment_requirements(vset: VersionSet, groups: tuple[str, ...] = ()) -> tuple[list[str], bool]:
+    """(what the set's environment installs, whether it inherits the host's torch)."""
+    torch_requirements, inherit = torch_source(vset)
+    return torch_requirements + vset.requirements() + test_requirements(vset, groups), inherit
+
+
+def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False, groups: tuple[str, ...] = ()) -> Path:
+    """Create (or reuse, when its requirements are unchanged) the set's environment; return its python.
+    `groups` are optional-dependency groups added to the test requirements (BENCH_GROUPS); each
+    combination gets its own environment, so commands that need different groups never rebuild each other's."""
+    requirements, inherit = environment_requirements(vset, groups)
+    print(f"== {torch_note(vset)}", flush=True)
+    # Two processes asking for one environment (xdist workers running the harness's real-set tests, two commands at
+    # once): the second waits for the first's build and reuses it, never removes it half built.
+    with folder_locked(ENVS_DIR):
+        return _build(vset, find_links, no_index, groups, requirements, inherit)
+
+
+def _build(vset: VersionSet, find_links, no_index: bool, groups: tuple[str, ...], requirements: list[str], inherit: bool) -> Path:
+    env = ENVS_DIR / "+".join([vset.slug, *groups])
+    python = env / "bin" / "python"
+    stamp = env / "stackcheck-requirements.txt"
+    wanted = "\n".join(requirements + [f"inherit={inherit}", *find_links, f"no_index={no_index}"]) + "\n"
+    if python.exists() and stamp.exists() and stamp.read_text() == wanted:
+        return python
+    shutil.rmtree(env, ignore_errors=True)
+    log = env.with_name(env.name + ".install.log")  # the installer's output, named in an EnvBuildError
+    index_args = [arg for link in find_links for arg in ("--find-links", link)] + (["--no-index"] if no_index else [])
+    uv = shutil.which("uv")
+    resolved = resolved_wheels(vset, find_links) if inherit and no_index and uv else None
+    if resolved:
+        # The wheelhouse resolved this set for this host (its torch, its other packages): install exactly
+        # those wheels, uv's seconds instead of pip resolving again over the inherited packages (25 to 35 s).
+        _run([sys.executable, "-m", "venv", "--without-pip", str(env)])
+        inherit_host_site_packages(python)
+        _run([uv, "pip", "install", "--quiet", "--no-deps", "--offline", "--python", str(python), *map(str, resolved)], log=log)
+    elif inherit:
+        _run([sys.executable, "-m", "venv", "--without-pip", str(env)])
+        inherit_host_site_packages(python)
+        _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *index_args, *requirements], log=log)
+    elif uv:
+        _run([uv, "venv", "--quiet", "--python", sys.executable, str(env)])
+        _run([uv, "pip", "install", "--quiet", "--python", str(python), *index_args, *requirements], log=log)
+    else:
+        _run([sys.executable, "-m", "venv", str(env)])
+        _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *index_args, *requirements], log=log)
+    stamp.write_text(wanted)
+    return python
+
+
+def resolved_wheels(vset: VersionSet, find_links: list[str]) -> list[Path] | None:
+    """The set's wheels as a wheelhouse in `find_links` resolved them (its manifest), when one holds them all."""
+    for folder in map(Path, find_links):
+        manifest = folder / WHEELHOUSE_MANIFEST
+        if manifest.is_file():
+            entry = json.loads(manifest.read_text())["sets"].get(vset.name)
+            wheels = [folder / name for name in entry["wheels"]] if entry else []
+            if entry and all(wheel.is_file() for wheel in wheels):
+                return wheels
+    return None
+
+
+def inherit_host_site_packages(python: Path) -> None:
+    """Append the host's site-packages to the env's path. `venv --system-site-packages` would reach only the
+    base interpreter's, and the GPU machine's torch lives in a venv. Entries of a `.pth` come after the env's
+    own site-packages, so the set's pins shadow the host's copies; pip runs from the host's copy too."""
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    # sys.path, not site.getsitepackages(): when the running interpreter is itself such an environment (the
+    # harness tests on a GPU host), the host's site-packages reach it through its own .pth, which a .pth
+    # listing only its site-packages would not follow.
+    host = [path for path in sys.path if os.path.isdir(path) and Path(path).name in ("site-packages", "dist-packages")]
+    Path(purelib, "_stackcheck_host.pth").write_text("\n".join(host) + "\n")
+
+
+def cuda_device() -> str:
+    """The name of GPU 0 as the host's torch, which every set's environment inherits, sees it: read from the CUDA
+    driver, which torch counts and names its devices by (stackcheck.process.cuda_driver), without importing torch."""
+    if importlib.util.find_spec("torch") is None:
+        raise UsageError(f"no GPU: the Python running stackcheck ({sys.executable}) has no torch to share with the set environments")
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:  # a torch built from source without its metadata
+        torch_version = "(version unknown)"
+    if torch_version.endswith("+cpu"):
+        raise UsageError(f"no GPU: torch {torch_version} on this host is built for the CPU alone")
+    names = cuda_driver.device_names()
+    if not names:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise UsageError(f"no GPU: torch {torch_version} on this host sees no CUDA device"
+                         + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""))
+    return names[0]
+
+
+def versions_in(python: Path, vset: VersionSet) -> str:
+    """The versions the environment really has, printed first by every session. An environment that cannot
+    report them (its torch does not import) is as unusable as one that was not built: EnvBuildError."""
+    code = "from stackcheck.core.versions import installed_versions as v; print(', '.join(f'{k} {x}' for k, x in v().items()))"
+    completed = subprocess.run(
+        [str(python), "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+    )
+    if completed.returncode != 0:
+        why = (completed.stderr.strip().splitlines() or [f"exit code {completed.returncode}"])[-1]
+        raise EnvBuildError(f"the environment of set {vset.name} ({python}) cannot report its versions: {why}")
+    return completed.stdout.strip()

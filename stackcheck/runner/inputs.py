@@ -1,0 +1,170 @@
+"""The rules every command applies to what it is given, in one place, so that a wrong input is one line and exit
+code 2 whichever option or command it reaches (stackcheck.cli builds its parser from `Parser`).
+
+- Every usage error is one line on stderr, `stackcheck: ...`, and exit code 2: argparse's own errors too.
+- No value is empty or blank: an empty value never means "the default" or "everything" (`--sets ''`, `--python ''`).
+- A list option (`LIST_OPTIONS`: `--sets`, `--families`, `--arch`, `--candidates`) is comma-separated; each item is
+  stripped, and an empty or blank item, or an item named twice, is an error. Given twice, the option adds its
+  items: `--sets seed --sets latest` is `--sets seed,latest`.
+- Any other option takes one value: given twice with two different values, it is an error (argparse would keep
+  the last one silently).
+- A path that is read names what it must be: `existing_file` and `existing_folder` say "no such file", "no such
+  folder", or that it is the other kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from stackcheck.core.versions import UsageError
+
+# The comma-separated options: `--sets` of the commands that take several sets, and these.
+LIST_OPTIONS = ("--families", "--arch", "--candidates")
+
+
+def _shown(text: str) -> str:
+    return repr(text) if text.strip() != text or not text else f"'{text}'"
+
+
+def list_items(option: str, text: str) -> list[str]:
+    """The items of one comma-separated value: stripped, none empty or blank, none twice."""
+    items = [item.strip() for item in text.split(",")]
+    if not any(items):
+        raise UsageError(f"{option} {_shown(text)} names nothing: name at least one item (an empty value is never 'all')")
+    if not all(items):
+        raise UsageError(f"{option} {_shown(text)} has an empty item: separate names with single commas")
+    return unique(option, items)
+
+
+def unique(option: str, items: list[str]) -> list[str]:
+    repeated = sorted({item for item in items if items.count(item) > 1})
+    if repeated:
+        raise UsageError(f"{option} names {', '.join(repeated)} more than once")
+    return items
+
+
+def nonblank(option: str, text: str) -> str:
+    if not text.strip():
+        raise UsageError(f"{option} {_shown(text)}: an empty value names nothing")
+    return text
+
+
+def _given(namespace) -> dict:
+    """The options given so far on the command line (argparse cannot tell a default from a value given)."""
+    if not hasattr(namespace, "_stackcheck_given"):
+        namespace._stackcheck_given = {}
+    return namespace._stackcheck_given
+
+
+class ListOption(argparse.Action):
+    """A comma-separated list, kept as the comma-joined text of its checked items; repeated, it adds its items."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        option = self.option_strings[0]
+        items = list_items(option_string or option, values)
+        given = _given(namespace)
+        combined = unique(option, [*given.get(self.dest, []), *items])
+        given[self.dest] = combined
+        setattr(namespace, self.dest, ",".join(combined))
+
+
+class OneName(argparse.Action):
+    """`--sets` of a command that runs one set: one name, given once (or the same name again)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        option = option_string or self.option_strings[0]
+        name = nonblank(option, values).strip()
+        command = parser.prog.split()[-1]
+        if "," in name:
+            raise UsageError(f"{command} runs one set, not {_shown(name)} (the matrix takes several: --sets a,b)")
+        given = _given(namespace)
+        if given.get(self.dest, name) != name:
+            raise UsageError(f"{command} runs one set: {option} names {given[self.dest]} and {name}; keep one")
+        given[self.dest] = name
+        setattr(namespace, self.dest, name)
+
+
+class StoreOnce(argparse._StoreAction):
+    """An option of one value: given twice, the values must agree."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = _given(namespace)
+        if self.dest in given and given[self.dest] != values:
+            raise UsageError(f"{option_string} given twice ({_value(given[self.dest])} and {_value(values)}): keep one")
+        given[self.dest] = values
+        setattr(namespace, self.dest, values)
+
+
+def _value(value) -> str:
+    return _shown(value) if isinstance(value, str) else str(value)
+
+
+def _checked_type(option: str, convert):
+    """`convert` (argparse's `type`) of a value that is not empty or blank."""
+
+    def check(text: str):
+        nonblank(option, text)
+        return convert(text) if convert else text
+
+    check.__name__ = getattr(convert, "__name__", "text")  # argparse names the type in its own messages
+    return check
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the rules above: its errors are one line (UsageError), no option takes an empty value, a
+    list option adds and checks its items, and any other option takes one value."""
+
+    def add_argument(self, *names, **kwargs):
+        option = names[0] if names[0].startswith("-") else (kwargs.get("metavar") or kwargs.get("dest") or names[0]).upper()
+        action = kwargs.get("action")
+        if action in (None, "store", "append", ListOption, OneName) and kwargs.get("nargs") != "*":  # "*": pytest's own arguments
+            kwargs["type"] = _checked_type(option, kwargs.get("type"))
+        if action in (None, "store") and names[0].startswith("-") and kwargs.get("nargs") is None:
+            kwargs["action"] = StoreOnce
+        return super().add_argument(*names, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, with what is left over refused by the command's own parser (which can name `--`)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            commands = self._subparsers._group_actions[0].choices if self._subparsers else {}
+            commands.get(getattr(parsed, "command", None), self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def error(self, message: str):
+        hint = ""
+        if message.startswith("unrecognized arguments") and any(a.dest == "pytest_args" for a in self._actions):
+            hint = f" (pytest's own options go after `--`: {self.prog} ... -- -k NAME)"
+        command = self.prog.split(" ", 1)[1] + ": " if " " in self.prog else ""
+        raise UsageError(f"{command}{message}{hint}")
+
+
+def existing_file(option: str, path: Path) -> Path:
+    """A file the command reads: it exists and is no folder."""
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a folder; name a file")
+    if not path.exists():
+        raise UsageError(f"{option} {path}: no such file")
+    return path
+
+
+def existing_folder(option: str, path: Path) -> Path:
+    """A folder the command reads: it exists and is no file."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {path} is a file; name a folder")
+    if not path.is_dir():
+        raise UsageError(f"{option} {path}: no such folder")
+    return path
+
+
+def interpreter(option: str, text: str) -> str:
+    """A Python interpreter to run: a path to a file (a folder is named as such, an environment's with its
+    bin/python), or a name on PATH."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        inside = next((str(candidate) for candidate in (path / "bin" / "python", path / "python") if candidate.is_file()), None)
+        raise UsageError(f"{option} {text} is a folder; name a Python interpreter" + (f", such as {inside}" if inside else ""))
+    if "/" in text and not path.exists():
+        raise UsageError(f"{option} {text}: no such file")
+    return text
