@@ -6,13 +6,13 @@ import argparse
 import os
 import re
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 from stackcheck import REPO_ROOT
 from stackcheck.runner import envs, exitcodes, inputs, wheelhouse
+from stackcheck.runner.inputs import check_file_option, check_folder_option
 from stackcheck.commands import gate, report
 from stackcheck.core import results
 from stackcheck.bench import compare as bench_compare, report as bench_report
@@ -36,36 +36,6 @@ def absolute_path(text: str) -> Path:
     """The `type` of every path option: pytest runs from the repository root, so a path relative to the
     caller's directory must be made absolute before it reaches it."""
     return Path(text).expanduser().resolve()
-
-
-def check_file_option(option: str, path: Path) -> None:
-    """An option naming a file to write: refused up front when a folder is in the way or its folder takes no file.
-    Every such file is JSON, with its .md (and .png) written beside it: a name without .json would have them clash."""
-    if path.is_dir():
-        raise UsageError(f"{option} {path} is a folder; name the file to write")
-    if path.suffix != ".json":
-        raise UsageError(f"{option} {path}: name a .json file (its .md is written beside it)")
-    check_writable(option, path.parent)
-
-
-def check_folder_option(option: str, path: Path) -> None:
-    """An option naming a folder to write into: refused up front when a file is in the way or it takes no file."""
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{option} {path} is a file; name a folder")
-    check_writable(option, path)
-
-
-def check_writable(option: str, folder: Path) -> None:
-    """A file can be created in `folder`, or in its nearest existing ancestor when it is still to be made: tried
-    for real, since root passes every permission check on /proc or a read-only mount (found here, not after a build)."""
-    existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
-    if not existing.is_dir():
-        raise UsageError(f"{option}: {existing} is a file, so {folder} cannot be a folder")
-    try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as exc:
-        raise UsageError(f"{option}: cannot write in {existing} ({exc.strerror})") from None
 
 
 # The commands an installed copy (`pip install .`, which has no tests/) can run: they read only the package.

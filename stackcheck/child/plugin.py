@@ -40,11 +40,10 @@ from pathlib import Path
 
 import pytest
 
-from stackcheck.process import cuda_driver, gpu_wait, warmer as warm
+from stackcheck.process import cuda_driver, gpu_wait, warm, warmer
 from stackcheck.child import exchange
 from stackcheck.core import hostinfo, results
 from stackcheck.core.cell import LOST, Cell, detail_of, lane_of
-from stackcheck.distributed import pool as rank_pool
 from stackcheck.distributed.cells import Ranks, pool_group
 from stackcheck.child import axes
 from stackcheck.process import resume as resume_process
@@ -111,7 +110,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if WORKER_GPU_KEY in workerinput:
         os.environ["CUDA_VISIBLE_DEVICES"] = workerinput[WORKER_GPU_KEY]
     if workerinput:
-        warm.wait_for_torch()  # before a worker first imports torch: it reads the bytecode the warmer wrote
+        warmer.wait_for_torch()  # before a worker first imports torch: it reads the bytecode the warmer wrote
     if WORKER_THREADS_KEY in workerinput:
         import torch
 
@@ -127,7 +126,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stackcheck_ledger = Ledger()
     except LedgerError as exc:
         raise pytest.UsageError(str(exc)) from None
-    rank_pool.enabled()  # STACKCHECK_RANK_POOL other than 0 or 1: pytest's usage error, before anything runs
+    warm.enabled()  # STACKCHECK_RANK_POOL other than 0 or 1: pytest's usage error, before anything runs
     # The pool groups' mark (pool_group), pytest-xdist's, registered here too for a run without xdist (-p no:xdist).
     config.addinivalue_line("markers", "xdist_group(name): the tests run on one xdist worker under --dist loadgroup")
     config.addinivalue_line("markers", f"{resume_process.MARK}(resumes): the test resumes in a warm resume process where its "

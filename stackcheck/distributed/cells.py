@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from stackcheck.distributed import launcher, pool
+from stackcheck.process import warm
 from stackcheck.distributed.outcome import RankOutcome, raise_unless_passed
 
 # The GPU lane runs world sizes 1 and 2 (NCCL), 2 skipped with the count on a host with one GPU; the CPU lane
@@ -92,7 +93,7 @@ class Ranks:
             pytest.skip(f"CPU lane: GPU lane only ({gpu_only})")
         if self.lane == "cpu" and cpu_costly and not every_cpu_variant():
             pytest.skip(f"CPU lane: left out of the default run ({cpu_costly}); {CPU_SELECTION_ENV}=all runs it")
-        launch = pool.launch if pool.enabled() else launcher.launch  # STACKCHECK_RANK_POOL=1: a warm rank pool
+        launch = pool.launch if warm.enabled() else launcher.launch  # STACKCHECK_RANK_POOL=1: a warm rank pool
         expected = getattr(self.node, "stackcheck_pool_group", None)
         if expected and expected != pool.group(engine, world_size, self.lane):
             warnings.warn(f"{self.node.nodeid}: its job ({pool.group(engine, world_size, self.lane)}) is not its xdist group "

@@ -49,42 +49,13 @@ from pathlib import Path
 from stackcheck import REPO_ROOT
 from stackcheck.distributed import launcher, rank as rank_side
 from stackcheck.distributed.outcome import RankOutcome, RankState
+from stackcheck.process.warm import lasting_environment
 
-POOL_ENV = "STACKCHECK_RANK_POOL"
 # Two warm pools of two ranks each hold four interpreters with torch, transformers and DeepSpeed imported.
 MAX_POOLS = 2
-# Variables that change from test to test without changing the job: pytest's, and those torch sets in the caller
-# (to the defaults each rank's torch sets itself) once a test there builds a model (a tiny checkpoint: measured, a new
-# pool for every architecture's first cell without this).
-VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
 # How long the ranks of a cell that failed on every rank have to reset and answer the fence (a tiny collective) before
 # the pool is ended instead.
 FENCE_SECONDS = 20.0
-
-
-class SettingError(ValueError):
-    """STACKCHECK_RANK_POOL is neither 0 nor 1 (nor unset): a user error, one line."""
-
-
-def setting(default: bool = False) -> bool:
-    """Whether STACKCHECK_RANK_POOL asks for warm pools: 1 yes, 0 no, unset or empty `default`; another value raises
-    SettingError."""
-    value = os.environ.get(POOL_ENV, "")
-    if value not in ("", "0", "1"):
-        raise SettingError(f"{POOL_ENV}={value!r}: 1 runs the two-rank cells on warm rank pools and trainer_resume's "
-                           "resumes on a warm process, 0 starts a new process for each")
-    return default if value == "" else value == "1"
-
-
-def enabled() -> bool:
-    """`setting()` in a pytest process (off unless 1; the matrix commands pass 1 or 0): another value is pytest's usage
-    error."""
-    try:
-        return setting()
-    except SettingError as exc:
-        import pytest
-
-        raise pytest.UsageError(str(exc)) from None
 
 
 def group(engine: str | None, world_size: int, lane: str) -> str:
@@ -112,12 +83,6 @@ _pools: OrderedDict[tuple, Pool] = OrderedDict()
 def key_of(world_size: int, engine: str | None, lane: str, engine_options: dict | None, env: dict) -> tuple:
     return (sys.executable, group(engine, world_size, lane), json.dumps(engine_options, sort_keys=True, default=str),
             lasting_environment(env))
-
-
-def lasting_environment(env: dict) -> tuple:
-    """`env` without the variables that change from test to test (VOLATILE_ENV): the part of a warm process's key
-    (a pool's, the warm resume process's) that its environment gives."""
-    return tuple(sorted((name, value) for name, value in env.items() if name not in VOLATILE_ENV))
 
 
 def start(key: tuple, world_size: int, engine: str | None, lane: str, engine_options: dict | None, env: dict) -> Pool:

@@ -210,7 +210,7 @@ def resume_in_fresh_process(under_test: UnderTest, checkpoint: Path, output_dir:
     call = resume_call(under_test, checkpoint, output_dir, optim)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     if resume_process.enabled():
-        returncode, output = resume_process.resume(call, env, timeout)
+        returncode, output = resume_process.resume(f"{__name__}:resume_from_call", call, env, timeout)
     else:
         done = subprocess.run([sys.executable, "-m", __name__, str(call)], cwd=REPO_ROOT, env=env, capture_output=True,
                               text=True, timeout=timeout)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stackcheck import REPO_ROOT
+from stackcheck.process import warm
 
 # The cells of one lane that share an xdist group (so one warm process): few enough that a group's cells, in turn on
 # one worker, stay shorter than the run (on one H100 a GPU cell takes 13 to 25 s with a per-cell process).
@@ -47,9 +48,7 @@ OK, FAILED = "ok", "failed"
 
 def enabled() -> bool:
     """Whether resumes go to a warm process: with the warm rank pools (STACKCHECK_RANK_POOL, a usage error otherwise)."""
-    from stackcheck.distributed import pool
-
-    return pool.enabled()
+    return warm.enabled()
 
 
 def groups(items: list) -> dict[str, str]:
@@ -85,10 +84,8 @@ class Warm:
 _warm: dict[tuple, Warm] = {}
 
 
-def key_of(env: dict) -> tuple:
-    from stackcheck.distributed.pool import lasting_environment
-
-    return (sys.executable, lasting_environment(env))
+def key_of(target: str, env: dict) -> tuple:
+    return (sys.executable, target, warm.lasting_environment(env))
 
 
 def start(key: tuple, env: dict) -> Warm:
@@ -99,7 +96,7 @@ def start(key: tuple, env: dict) -> Warm:
     answer_read, answer_write = os.pipe()
     handle, log = tempfile.mkstemp(prefix="stackcheck-resume-", suffix=".log")
     with os.fdopen(handle, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", __name__, str(call_read), str(answer_write)], cwd=REPO_ROOT,
+        process = subprocess.Popen([sys.executable, "-m", __name__, str(call_read), str(answer_write), key[1]], cwd=REPO_ROOT,
                                    env=env, stdout=out, stderr=subprocess.STDOUT, pass_fds=(call_read, answer_write),
                                    start_new_session=True)
     os.close(call_read)
@@ -137,12 +134,12 @@ def close_all() -> None:
         close(warm)
 
 
-def resume(call: Path, env: dict, timeout: float) -> tuple[int, str]:
-    """The resume of `call` (checkpoint.resume_call's file) in the warm process for `env`: (0, "") once it wrote its
+def resume(target: str, call: Path, env: dict, timeout: float) -> tuple[int, str]:
+    """`target` ("module:function", checkpoint.resume_from_call) of `call` in the warm process for `env`: (0, "") once it wrote its
     Record; otherwise what a per-cell process would give, its exit status (1 where it raised: it wrote the Failure
     first) and its output for this cell, the process then ended. Past `timeout` seconds, subprocess.TimeoutExpired,
     as subprocess.run raises it, the process killed."""
-    key = key_of(env)
+    key = key_of(target, env)
     warm = _warm.get(key)
     if warm is not None and not warm.alive():
         close(warm)
@@ -200,24 +197,27 @@ def read_from(log: Path, offset: int) -> str:
         return ""
 
 
-def serve(calls_fd: int, answers_fd: int) -> int:
-    """The warm process: each call file read from `calls_fd` resumed in turn (checkpoint.resume_from_call), "ok" or
+def serve(calls_fd: int, answers_fd: int, target: str) -> int:
+    """The warm process: `target` ("module:function", checkpoint.resume_from_call) of each call file read from
+    `calls_fd` in turn, "ok" or
     "failed" written to `answers_fd`; ends at the end of the calls (its owner closed them or died) or after a cell that
     raised."""
+    import importlib
     import traceback
     import warnings
 
     from stackcheck.process import gpu_wait
-    from stackcheck.harness import checkpoint
     from stackcheck.process.isolation import leave_the_cell
 
     gpu_wait.follow_the_worker()
+    module, _, function = target.partition(":")
+    resume_from_call = getattr(importlib.import_module(module), function)
     warnings.filterwarnings("ignore")
     environ, cwd = dict(os.environ), os.getcwd()
     with os.fdopen(calls_fd, "r") as calls, os.fdopen(answers_fd, "w") as answers:
         for line in calls:
             try:
-                checkpoint.resume_from_call(Path(line.strip()))
+                resume_from_call(Path(line.strip()))
             except Exception:  # its Failure is written; the traceback goes to the log, as a per-cell process's does
                 traceback.print_exc()
                 sys.stdout.flush()
@@ -234,4 +234,4 @@ def serve(calls_fd: int, answers_fd: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(serve(int(sys.argv[1]), int(sys.argv[2])))
+    sys.exit(serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))

@@ -15,6 +15,7 @@ code 2 whichever option or command it reaches (stackcheck.cli builds its parser 
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 from stackcheck.core.versions import UsageError
@@ -168,3 +169,33 @@ def interpreter(option: str, text: str) -> str:
     if "/" in text and not path.exists():
         raise UsageError(f"{option} {text}: no such file")
     return text
+
+
+def check_file_option(option: str, path: Path) -> None:
+    """An option naming a file to write: refused up front when a folder is in the way or its folder takes no file.
+    Every such file is JSON, with its .md (and .png) written beside it: a name without .json would have them clash."""
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a folder; name the file to write")
+    if path.suffix != ".json":
+        raise UsageError(f"{option} {path}: name a .json file (its .md is written beside it)")
+    check_writable(option, path.parent)
+
+
+def check_folder_option(option: str, path: Path) -> None:
+    """An option naming a folder to write into: refused up front when a file is in the way or it takes no file."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {path} is a file; name a folder")
+    check_writable(option, path)
+
+
+def check_writable(option: str, folder: Path) -> None:
+    """A file can be created in `folder`, or in its nearest existing ancestor when it is still to be made: tried
+    for real, since root passes every permission check on /proc or a read-only mount (found here, not after a build)."""
+    existing = next(parent for parent in (folder, *folder.parents) if parent.exists())
+    if not existing.is_dir():
+        raise UsageError(f"{option}: {existing} is a file, so {folder} cannot be a folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot write in {existing} ({exc.strerror})") from None

@@ -19,7 +19,7 @@ from pathlib import Path
 from stackcheck import REPO_ROOT
 from stackcheck.runner import envs
 from stackcheck.core import results
-from stackcheck.process import warmer as warm
+from stackcheck.process import warmer
 from stackcheck.core.cell import Cell
 from stackcheck.models import architectures
 from stackcheck.core.ledger import ERROR, Ledger, family_modules, family_path
@@ -141,13 +141,13 @@ def rank_pools(default: bool) -> tuple[bool, dict[str, str]]:
     """Whether a command's pytest runs put their two-rank cells on warm rank pools (stackcheck.distributed.pool), and
     the STACKCHECK_RANK_POOL they get: the user's 0 or 1, else `default`; another value is a usage error, before
     anything is built."""
-    from stackcheck.distributed import pool
+    from stackcheck.process import warm
 
     try:
-        on = pool.setting(default)
-    except pool.SettingError as exc:
+        on = warm.setting(default)
+    except warm.SettingError as exc:
         raise UsageError(str(exc)) from None
-    return on, {pool.POOL_ENV: "1" if on else "0"}
+    return on, {warm.POOL_ENV: "1" if on else "0"}
 
 
 def lane_args(lanes: tuple[str, ...]) -> list[str]:
@@ -176,11 +176,11 @@ def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[s
     print("+", " ".join(command), flush=True)
     variables = envs.bytecode_cache(dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}),
                                          **{LAUNCHED_AT_ENV: repr(time.time()), RUN_ENV: run or new_run_id()}))
-    warmer = warm.start(python, xdist_workers(extra), variables)
+    warming = warmer.start(python, xdist_workers(extra), variables)
     try:
         return subprocess.call(command, cwd=REPO_ROOT, env=variables)
     finally:
-        warm.stop(warmer, variables)
+        warmer.stop(warming, variables)
 
 
 def xdist_workers(options: list[str]) -> int:

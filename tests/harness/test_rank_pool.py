@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from stackcheck.distributed import launcher, pool
+from stackcheck.process import warm
 from stackcheck.distributed.outcome import RankState
 
 HERE = "tests.harness.test_rank_pool"
@@ -137,17 +138,17 @@ def test_engine_options_that_change_only_the_ranks_variables_run_on_the_engines_
 def test_the_pool_is_off_in_pytest_on_in_the_matrix_and_its_switch_is_checked(monkeypatch):
     from stackcheck.runner import lane
 
-    monkeypatch.delenv(pool.POOL_ENV, raising=False)
-    assert not pool.enabled()
-    assert lane.rank_pools(default=True) == (True, {pool.POOL_ENV: "1"})  # the matrix commands' default
-    assert lane.rank_pools(default=False) == (False, {pool.POOL_ENV: "0"})  # `stackcheck tests` (CI)
-    monkeypatch.setenv(pool.POOL_ENV, "1")
-    assert pool.enabled() and lane.rank_pools(default=False)[0]
-    monkeypatch.setenv(pool.POOL_ENV, "0")
-    assert not pool.enabled() and not lane.rank_pools(default=True)[0]
-    monkeypatch.setenv(pool.POOL_ENV, "yes")
+    monkeypatch.delenv(warm.POOL_ENV, raising=False)
+    assert not warm.enabled()
+    assert lane.rank_pools(default=True) == (True, {warm.POOL_ENV: "1"})  # the matrix commands' default
+    assert lane.rank_pools(default=False) == (False, {warm.POOL_ENV: "0"})  # `stackcheck tests` (CI)
+    monkeypatch.setenv(warm.POOL_ENV, "1")
+    assert warm.enabled() and lane.rank_pools(default=False)[0]
+    monkeypatch.setenv(warm.POOL_ENV, "0")
+    assert not warm.enabled() and not lane.rank_pools(default=True)[0]
+    monkeypatch.setenv(warm.POOL_ENV, "yes")
     with pytest.raises(pytest.UsageError, match="STACKCHECK_RANK_POOL='yes'"):
-        pool.enabled()
+        warm.enabled()
 
 
 def test_pools_choose_loadgroup_and_keep_the_order(monkeypatch):

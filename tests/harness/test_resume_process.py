@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from stackcheck.distributed.pool import POOL_ENV
+from stackcheck.process.warm import POOL_ENV
 from stackcheck.harness import checkpoint
 from stackcheck.process import resume as resume_process
 from stackcheck.harness.subject import UnderTest

@@ -325,7 +325,7 @@ def render(matrix: dict, sweeps: list[tuple[str, dict]], bench: dict[str, dict],
 
 
 def run(args) -> int:
-    from stackcheck.cli import check_writable
+    from stackcheck.runner.inputs import check_writable
 
     output = Path(args.output).expanduser().resolve()
     if output.is_dir():
