@@ -76,7 +76,7 @@ except UsageError as exc:  # `nox -l` still lists the other sessions, and says w
 def docs(session: nox.Session) -> None:
     """Regenerate docs/commands.md and docs/families.md (checked current by the tests); `-- --screenshots` redraws docs/report/*.png."""
     session.install("--quiet", "-e", ".[report,browser]")
-    session.run("python", "-m", "stackcheck.commands.docgen", *session.posargs)
+    session.run("python", "-m", "stackcheck", "docs", *session.posargs)
 
 
 @nox.session(venv_backend="none")

@@ -4,29 +4,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
-import time
 import traceback
 from pathlib import Path
 
 from stackcheck import REPO_ROOT
-from stackcheck.runner import envs, exitcodes, inputs, wheelhouse
-from stackcheck.runner.inputs import check_file_option, check_folder_option
-from stackcheck.commands import gate, report
-from stackcheck.core import results
-from stackcheck.bench import compare as bench_compare, report as bench_report
-from stackcheck.commands.releases import bisect, history
+from stackcheck.commands import bench, docgen, gate, matrix, report, setup
+from stackcheck.commands.matrix import gpu_device
+from stackcheck.commands.releases import bisect, history, watch
+from stackcheck.commands.releases import watch as watch_module
 from stackcheck.commands.releases.probes import DEFAULT_STORE
 from stackcheck.commands.triage import doctor, repro, scan
-from stackcheck.commands.releases import watch as watch_module
-from stackcheck.core.cell import Cell
-from stackcheck.runner.lane import ARCH_HELP, CPU_LANE, arch_options, bench_set, build_all, check_ledger, family_targets, new_run_id, named_paths, parallel_options, rank_pools, run_pytest
-from stackcheck.core.ledger import Ledger, LedgerError
-from stackcheck.core.protocol import ARCH_OPTION, DEFAULT_RESULTS, RESULTS_DIR, option
-from stackcheck.core.progress import Progress
+from stackcheck.core import results
+from stackcheck.core.ledger import LedgerError
+from stackcheck.core.protocol import DEFAULT_RESULTS, RESULTS_DIR
+from stackcheck.core.versions import PIN_HELP, UsageError
 from stackcheck.models import architectures
-from stackcheck.core.versions import PIN_HELP, UsageError, VersionSet, default_set, load_sets, parse_pin, refresh_latest, resolve
+from stackcheck.runner import envs, exitcodes, inputs
+from stackcheck.runner.inputs import check_file_option, check_folder_option
+from stackcheck.runner.lane import ARCH_HELP, arch_options
 
 STORE_HELP = "the probe store that history, bisect and watch share (default: results/probes.json)"
 BENCH_RESULTS = RESULTS_DIR / "bench"
@@ -214,186 +210,44 @@ def _parser() -> argparse.ArgumentParser:
     merge = commands.add_parser("merge", help="merge per-job matrix.json files into one matrix.json and matrix.md")
     merge.add_argument("inputs", nargs="+", type=absolute_path, help="matrix.json files")
     merge.add_argument("--output", type=absolute_path, default=DEFAULT_RESULTS, help="merged matrix.json to write")
+
+    docs = commands.add_parser("docs", help="regenerate the generated pages of docs/ (commands, families, exit codes) from the code")
+    docs.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated page is not current")
+    docs.add_argument("--screenshots", action="store_true", help="also redraw docs/report/*.png (the report's browser)")
     return parser
 
 
-def _selected(args) -> list[VersionSet]:
-    names = args.sets.split(",") if args.sets else None
-    if args.command == "tests" and names is None:
-        names = [default_set().name]
-    return resolve(names, args.overrides)
+def _paths_then(body):
+    """`body` after the --output and --store files it writes are checked (bisect, history)."""
+    def checked(args) -> int:
+        for option, path in (("--output", args.output), ("--store", args.store)):
+            if path:
+                check_file_option(option, path)
+        if not getattr(args, "render_only", False):
+            setup.check_with_pins(args)
+        return body(args)
+    return checked
 
 
-def gpu_device(on_the_cpu: str) -> str:
-    """GPU 0's name; without a GPU, one line (exit 2) that names what runs on the CPU instead."""
-    try:
-        return envs.cuda_device()
-    except UsageError as exc:
-        raise UsageError(f"{exc}: {on_the_cpu}") from None
+def _output_folder_then(body):
+    """`body` after the --output folder it writes into is checked (watch, gate, repro)."""
+    def checked(args) -> int:
+        check_folder_option("--output", args.output)
+        if args.command == "gate" and args.bench and args.bench != "smoke":
+            gpu_device("`gate --bench smoke` runs on the CPU")
+        return body(args)
+    return checked
 
 
-def run_matrix(args) -> int:
-    """`matrix` runs the CPU lane; `gpu-matrix` both lanes, and fails when no GPU cell really ran. Every set's
-    environment is built before any set runs; the exit code follows --fail-on over the cells this run recorded."""
-    check_file_option("--results", args.results)
-    if args.results.exists():
-        results.load_checked(args.results)  # the sets record into it: a corrupt one would fail only after a build
-    fail_on = exitcodes.parse_fail_on(args.fail_on) if args.fail_on is not None else exitcodes.rule(args.command).fail_on
-    gpu = args.command == "gpu-matrix"
-    pools, pools_env = rank_pools(default=True)  # the two-rank cells on warm rank pools unless STACKCHECK_RANK_POOL=0
-    if gpu:
-        print(f"== device: {gpu_device('`matrix` runs the CPU lane alone')}", flush=True)
-    sets = _selected(args)
-    check_ledger()
-    families = args.families.split(",") if args.families else None
-    targets = family_targets(families)
-    lanes = ["gpu", "cpu"] if gpu else ["cpu"]
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    pythons = build_all(sets, args.find_links, args.no_index)
-    incomplete, cells = [], []
-    tracker = Progress(args.command, len(sets), "set")
-    ledger = Ledger()
-    for vset in sets:
-        print(f"== set {vset.name}: {', '.join(f'{k} {v}' for k, v in vset.pins.items())}", flush=True)
-        started, run = time.monotonic(), new_run_id()
-        selection = [] if gpu else [CPU_LANE]
-        # Every set after the first loads the adapter the first one trained (stackcheck.child.exchange).
-        code = run_pytest(pythons[vset.name], vset, targets, ["-q", *selection, *arch_options(args.arch),
-                                                              *parallel_options(args.pytest_args, pools=pools), *args.pytest_args],
-                          args.results, sets[0].name, tracker.env() | pools_env, run=run)
-        ran = results.cells_of_run(args.results, vset.name, run)
-        cells += ran
-        tracker.finished(vset.name, len(ran))
-        if code == 4:  # pytest's usage error: it printed the reason (a bad pytest argument, or the ledger)
-            raise UsageError(f"set {vset.name}: pytest refused the run (its ERROR line above); nothing was recorded")
-        if code == 5:
-            raise UsageError(f"set {vset.name}: the selection collected no test; nothing was run or recorded")
-        print(f"== set {vset.name}: pytest exit {code}, {'+'.join(lanes)} lanes {time.monotonic() - started:.1f} s", flush=True)
-        if code not in (0, 1):  # 1 only means some cells are not `pass`; their verdicts are recorded
-            incomplete.append(vset.name)
-        elif gpu and not results.ran_in_lane(args.results, vset.name, "gpu", run):
-            print(f"stackcheck: set {vset.name}: every GPU cell was skipped or missing", file=sys.stderr)
-            incomplete.append(vset.name)
-    print(f"wrote {args.results} and {args.results.with_suffix('.md')}")
-    if incomplete:
-        print(f"stackcheck: sets without a complete run: {', '.join(incomplete)}", file=sys.stderr)
-    return failing_cells(cells, ledger, fail_on, incomplete)
-
-
-def failing_cells(cells: list[Cell], ledger: Ledger, fail_on: tuple[str, ...], incomplete: list[str] = ()) -> int:
-    """The exit code of a verdict command by the rule (stackcheck.runner.exitcodes): 1 when a cell (or an incomplete run,
-    an `error`) is one of the `fail_on` outcomes, saying which and how many; else 0."""
-    found: dict[str, int] = {}
-    for cell in cells:
-        for outcome in exitcodes.outcomes_of_cell(cell.verdict, ledger.bugs.get(cell.bug) if cell.bug else None):
-            found[outcome] = found.get(outcome, 0) + 1
-    if incomplete:
-        found[exitcodes.ERROR] = found.get(exitcodes.ERROR, 0) + len(incomplete)
-    failing = {outcome: count for outcome, count in found.items() if outcome in fail_on}
-    if failing:
-        print(f"stackcheck: exit 1: {', '.join(f'{count} {outcome}' for outcome, count in failing.items())} "
-              f"(--fail-on {','.join(fail_on)}; docs/exit-codes.md)", file=sys.stderr)
-        return exitcodes.FAILED
-    return exitcodes.OK
-
-
-def run_tests(args) -> int:
-    (vset,) = _selected(args)
-    pools, pools_env = rank_pools(default=False)  # the harness's tests: one launch per cell unless STACKCHECK_RANK_POOL=1
-    groups = envs.BENCH_GROUPS + (() if args.no_index else envs.REPORT_GROUPS)
-    python = build_all([vset], args.find_links, args.no_index, groups)[vset.name]
-    # CI's run: the families on the seed's architecture unless --arch widens it (new architectures still have
-    # unexplained new failures, which `matrix` shows: see docs/architectures.md).
-    arch = arch_options(args.arch) or [option(ARCH_OPTION, architectures.SEED_ARCHITECTURE)]
-    # Every test, one xdist worker per core (docs/speed.md); a run that names its tests runs those, in one process.
-    targets = [] if named_paths(args.pytest_args) else ["tests"]
-    code = run_pytest(python, vset, targets, [*arch, *parallel_options(args.pytest_args, pools=pools), *args.pytest_args],
-                      None, env=pools_env)
-    if code in (4, 5):
-        raise UsageError("pytest refused the run (its ERROR line above)" if code == 4 else "the selection collected no test")
-    return exitcodes.from_pytest(code)
-
-
-def run_bench(args) -> int:
-    """Per set: build its environment with the bench extras and run tests/benchmarks into <set>.json;
-    then render the report and the plots from every set's JSON, as ratios against the baseline set."""
-    check_folder_option("--results", args.results)
-    sets = _selected(args)
-    baseline = args.baseline or sets[0].name
-    if baseline not in [vset.name for vset in sets]:
-        raise UsageError(f"--baseline '{baseline}' is not among the sets run ({', '.join(v.name for v in sets)})")
-    if args.repeat < 0 or args.repeat == 1:
-        raise UsageError(f"--repeat {args.repeat}: a coefficient of variation needs N >= 2 measurements")
-    size = args.size or ("tiny" if args.smoke else "all")
-    if not (args.smoke or args.render_only):
-        print(f"== device: {gpu_device('`bench --smoke` runs on the CPU')}", flush=True)
-    args.results.mkdir(parents=True, exist_ok=True)
-    pythons = {} if args.render_only else build_all(sets, args.find_links, args.no_index, envs.BENCH_GROUPS)
-    failed = [] if args.render_only else [v.name for v in sets if not bench_set(
-        v, pythons[v.name], size, args.results, args.repeat, args.smoke, args.pytest_args)]
-    runs = {vset.name: bench_compare.load(path) for vset in sets if (path := args.results / f"{vset.slug}.json").exists()}
-    if baseline not in runs:
-        print(f"stackcheck: no bench results for the baseline set '{baseline}' in {args.results}", file=sys.stderr)
-        return 1
-    markdown = args.results.with_suffix(".md")
-    for note in bench_report.render(runs, baseline, markdown, args.results):
-        print(f"stackcheck: {note}", file=sys.stderr)
-    print(f"wrote {markdown}")
-    if failed:
-        print(f"stackcheck: sets with failed or missing benchmarks: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
-
-
-def check_with_pins(args) -> None:
-    """bisect and history build one environment per release with the --with pins: a pin the package index does not
-    have would make every probe an `error` and the answer "untestable"; it is a usage error before the first build."""
-    if args.overrides:
-        try:
-            envs.check_available([parse_pin(token).requirement() for token in args.overrides], args.find_links, args.no_index)
-        except envs.EnvBuildError as exc:
-            raise UsageError(f"--with {' '.join(args.overrides)}: {exc}") from None
-
-
-def run_versions(args) -> int:
-    """Each set's pins. A --with pin is what the user typed: printed as given, checked against the package index
-    with --check (a command that builds an environment checks it before running anything, exit 2 if it cannot)."""
-    sets = _selected(args)
-    pins = [parse_pin(token) for token in args.overrides] if args.overrides else []
-    if args.check:
-        check_with_pins(args)
-    for vset in sets:
-        print(f"{vset.name}: " + ", ".join(f"{k} {v}" for k, v in vset.pins.items()))
-    if pins and not args.check:
-        print(f"stackcheck: the --with pins ({', '.join(args.overrides)}) are not checked against the package index: "
-              "--check asks it; matrix, tests, gate and bench check them when they build the environment", file=sys.stderr)
-    elif pins:
-        print(f"stackcheck: the package index has {', '.join(pin.requirement() for pin in pins)}", file=sys.stderr)
-    return exitcodes.OK
-
-
-def run_wheelhouse(args) -> int:
-    wheelhouse.require_uv()
-    check_folder_option("--dest", args.dest)
-    if not re.fullmatch(r"3\.\d+", args.python_version):
-        raise UsageError(f"--python-version {args.python_version}: name the target's Python as MAJOR.MINOR, e.g. 3.12")
-    if args.cuda is not None and not re.fullmatch(r"\d{2,3}", args.cuda):
-        raise UsageError(f"--cuda {args.cuda}: name the CUDA build as bitsandbytes' binaries do, e.g. 130 for CUDA 13.0")
-    platforms = args.platforms or wheelhouse.MANYLINUX_X86_64
-    sets = _selected(args)
-    if args.sweep:
-        if not (args.start and args.end):
-            raise UsageError("--sweep needs --from and --to")
-        releases = history.releases_in_range(args.sweep, args.start, args.end)
-        sets += [resolve([base.name], [f"{args.sweep}=={release}"])[0] for base in sets for release in releases]
-    if args.batch_mib is not None and args.batch_mib < 1:
-        raise UsageError(f"--batch-mib {args.batch_mib}: a batch must hold at least 1 MiB")
-    manifest = wheelhouse.build(sets, args.dest, args.python_version, platforms, args.cuda, args.host_freeze, args.batch_mib)
-    for name, entry in manifest["sets"].items():
-        print(f"{name}: {len(entry['wheels'])} wheels, {entry['mib']} MiB: {', '.join(entry['wheels'])}")
-    for batch in manifest.get("batches", []):
-        print(f"{batch['folder']}: {len(batch['wheels'])} wheels, {batch['mib']} MiB, completes {', '.join(batch['completes'])}")
-    print(f"wrote {args.dest} ({manifest['mib']} MiB in all) and its {wheelhouse.MANIFEST}")
-    return 0
+# Each command's body: a function of the parsed arguments that returns the exit code.
+COMMANDS = {
+    "matrix": matrix.run, "gpu-matrix": matrix.run, "tests": matrix.tests, "bench": bench.run,
+    "versions": setup.versions, "wheelhouse": setup.wheelhouse, "refresh-latest": setup.refresh_latest, "merge": setup.merge,
+    "bisect": _paths_then(bisect.run), "history": _paths_then(history.run), "watch": _output_folder_then(watch.run),
+    "gate": _output_folder_then(gate.run), "repro": _output_folder_then(repro.run),
+    "doctor": doctor.run, "scan": lambda args: scan.run(args, args.argv), "report": report.run,
+    "docs": lambda args: docgen.run(args, _parser()),
+}
 
 
 def _bisect_record(args) -> Path:
@@ -452,60 +306,8 @@ def _main(argv: list[str], parsed: list) -> int:
         parsed.append(args)
         check_checkout(args.command)
         check_common_options(args)
-        if args.command in ("matrix", "gpu-matrix"):
-            return run_matrix(args)
-        if args.command == "wheelhouse":
-            return run_wheelhouse(args)
-        if args.command == "tests":
-            return run_tests(args)
-        if args.command == "versions":
-            return run_versions(args)
-        if args.command == "bench":
-            return run_bench(args)
-        if args.command == "refresh-latest":
-            known = load_sets()[0]
-            before = {package: str(pin) for package, pin in known["latest"].pins.items()} if "latest" in known else {}
-            newest = refresh_latest()
-            print("latest: " + ", ".join(f"{package} {version}" + (f" (was {before[package]})" if before.get(package) != version else "")
-                                         for package, version in newest.items()))
-            return 0
-        if args.command == "bisect":
-            for option, path in (("--output", args.output), ("--store", args.store)):
-                if path:
-                    check_file_option(option, path)
-            check_with_pins(args)
-            return bisect.run(args)
-        if args.command == "history":
-            for option, path in (("--output", args.output), ("--store", args.store)):
-                if path:
-                    check_file_option(option, path)
-            if not args.render_only:
-                check_with_pins(args)
-            return history.run(args)
-        if args.command == "watch":
-            check_folder_option("--output", args.output)
-            return watch_module.run(args)
-        if args.command == "gate":
-            check_folder_option("--output", args.output)
-            if args.bench and args.bench != "smoke":
-                gpu_device("`gate --bench smoke` runs on the CPU")
-            return gate.run(args)
-        if args.command == "doctor":
-            return doctor.run(args)
-        if args.command == "repro":
-            check_folder_option("--output", args.output)
-            return repro.run(args)
-        if args.command == "scan":
-            return scan.run(args, argv)
-        if args.command == "report":
-            return report.run(args)
-        if args.command == "merge":
-            check_file_option("--output", args.output)
-            merged = results.merge_files(args.inputs, args.output)
-            print(f"merged {len(args.inputs)} files ({len(merged['sets'])} sets, {len(merged['cells'])} cells) "
-                  f"into {args.output} and {args.output.with_suffix('.md')}")
-            return 0
-        raise AssertionError(f"unhandled command {args.command}")  # argparse only accepts the commands above
+        args.argv = argv
+        return COMMANDS[args.command](args)
     except (UsageError, envs.EnvBuildError, LedgerError) as exc:
         print(f"stackcheck: {exc}", file=sys.stderr)
         return exitcodes.USAGE

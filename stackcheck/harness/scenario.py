@@ -1,4 +1,4 @@
-"""Every building block the family tests share, under the one name the families import (`from stackcheck import
+"""Every building block the family tests share, under the one name the families import (`from stackcheck.harness import
 scenario`). Each lives in the module of its phase of the user's journey, under `stackcheck/harness/`:
 
 - `proof`: a precondition not reached, a tolerance, the measures judged by mechanism;

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stackcheck import REPO_ROOT
-from stackcheck.process import warm
+from stackcheck.process.warm import enabled as warm_enabled, lasting_environment
 
 # The cells of one lane that share an xdist group (so one warm process): few enough that a group's cells, in turn on
 # one worker, stay shorter than the run (on one H100 a GPU cell takes 13 to 25 s with a per-cell process).
@@ -48,7 +48,7 @@ OK, FAILED = "ok", "failed"
 
 def enabled() -> bool:
     """Whether resumes go to a warm process: with the warm rank pools (STACKCHECK_RANK_POOL, a usage error otherwise)."""
-    return warm.enabled()
+    return warm_enabled()
 
 
 def groups(items: list) -> dict[str, str]:
@@ -85,7 +85,7 @@ _warm: dict[tuple, Warm] = {}
 
 
 def key_of(target: str, env: dict) -> tuple:
-    return (sys.executable, target, warm.lasting_environment(env))
+    return (sys.executable, target, lasting_environment(env))
 
 
 def start(key: tuple, env: dict) -> Warm:

@@ -66,6 +66,7 @@ COMMANDS = (
     Rule(("bisect",), "no answer: the endpoints give the same verdicts, a probe could not decide, or the answer is ambiguous"),
     Rule(("history",), "a release in the range has no probe"),
     Rule(("bench",), "a set's benchmarks failed or are missing"),
+    Rule(("docs",), "with `--check`, a generated page is not current"),
     Rule(("versions", "wheelhouse", "merge", "refresh-latest", "report"), "never: they succeed (0) or refuse (2)"),
 )
 

@@ -18,7 +18,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from stackcheck.core.versions import UsageError
+from stackcheck.core.versions import UsageError, VersionSet, default_set, resolve
 
 # The comma-separated options: `--sets` of the commands that take several sets, and these.
 LIST_OPTIONS = ("--families", "--arch", "--candidates")
@@ -199,3 +199,11 @@ def check_writable(option: str, folder: Path) -> None:
             pass
     except OSError as exc:
         raise UsageError(f"{option}: cannot write in {existing} ({exc.strerror})") from None
+
+
+def selected_sets(args) -> list[VersionSet]:
+    """The sets a command runs: --sets (the default set for `tests`), with the --with pins applied."""
+    names = args.sets.split(",") if args.sets else None
+    if args.command == "tests" and names is None:
+        names = [default_set().name]
+    return resolve(names, args.overrides)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from stackcheck import cli
+from stackcheck.commands import matrix as matrix_command
 from stackcheck.runner import envs, exitcodes, lane
 from stackcheck.commands import gate
 from stackcheck.core import results, versions
@@ -92,7 +93,7 @@ def scripted(monkeypatch):
 
     monkeypatch.setattr(envs, "build", build)
     monkeypatch.setattr(envs, "versions_in", lambda python, vset: "scripted")
-    monkeypatch.setattr(cli, "run_pytest", run_pytest)
+    monkeypatch.setattr(matrix_command, "run_pytest", run_pytest)
     return state
 
 

@@ -90,7 +90,7 @@ def test_a_resume_that_restores_nothing_fails_the_resume_property(monkeypatch, t
 SPLIT_AUTO_BASE = """
     import os
     from pathlib import Path
-    from stackcheck import scenario
+    from stackcheck.harness import scenario
     from stackcheck.harness import load, place
 
     def split_auto(under_test, device_map=None, **kwargs):

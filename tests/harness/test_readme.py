@@ -22,6 +22,7 @@ import sys
 import pytest
 
 from stackcheck import REPO_ROOT, cli
+from stackcheck.commands import matrix as matrix_command
 from stackcheck.runner import envs, wheelhouse
 from stackcheck.core import versions
 from stackcheck.commands.releases import bisect, history, watch
@@ -80,7 +81,7 @@ def as_far_as_checks_go(monkeypatch):
         raise Reached
 
     for owner, name in [(envs, "build"), (versions, "index_versions"), (bisect, "index_versions"), (history, "index_versions"),
-                        (watch, "index_versions"), (wheelhouse, "build"), (cli, "run_pytest")]:
+                        (watch, "index_versions"), (wheelhouse, "build"), (matrix_command, "run_pytest")]:
         monkeypatch.setattr(owner, name, reached)
     monkeypatch.setattr(envs, "cuda_device", lambda: "a stand-in GPU")
     monkeypatch.setattr(wheelhouse, "require_uv", lambda: None)

@@ -14,6 +14,8 @@ import pytest
 from packaging.specifiers import SpecifierSet
 
 from stackcheck import REPO_ROOT, cli
+from stackcheck.commands import setup as setup_command
+from stackcheck.commands import matrix as matrix_command
 from stackcheck.runner import envs, lane, wheelhouse
 from stackcheck.core import ledger, versions
 from stackcheck.core.cell import Cell
@@ -224,7 +226,7 @@ def test_refresh_latest_without_a_latest_set(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(versions, "index_versions", lambda package: pytest.fail("asked the package index"))
     with pytest.raises(UsageError, match=r"has no \[sets.latest\] table to refresh"):
         versions.refresh_latest(sets_file)
-    monkeypatch.setattr(cli, "refresh_latest", functools.partial(versions.refresh_latest, sets_file))
+    monkeypatch.setattr(setup_command, "newest_latest", functools.partial(versions.refresh_latest, sets_file))
     line = one_usage_line(cli.main(["refresh-latest"]), capsys)
     assert line == f"stackcheck: {sets_file} has no [sets.latest] table to refresh"
 
@@ -413,8 +415,8 @@ def test_refresh_latest_says_what_it_pinned(tmp_path, monkeypatch, capsys):
     sets_file.write_text((REPO_ROOT / "stackcheck" / "sets.toml").read_text())
     newest = {"transformers": "9.0.0", "peft": versions.load_sets()[0]["latest"].pins["peft"].version, "accelerate": "9.1.0", "bitsandbytes": "9.2.0"}
     monkeypatch.setattr(versions, "index_versions", lambda package: [versions.Version(newest[package])])
-    monkeypatch.setattr(cli, "refresh_latest", functools.partial(versions.refresh_latest, sets_file))
-    monkeypatch.setattr(cli, "load_sets", functools.partial(versions.load_sets, sets_file))
+    monkeypatch.setattr(setup_command, "newest_latest", functools.partial(versions.refresh_latest, sets_file))
+    monkeypatch.setattr(setup_command, "load_sets", functools.partial(versions.load_sets, sets_file))
     was = versions.load_sets()[0]["latest"].pins
     assert cli.main(["refresh-latest"]) == 0
     assert capsys.readouterr().out == (f"latest: transformers 9.0.0 (was {was['transformers']}), peft {newest['peft']}, "
@@ -433,7 +435,7 @@ def test_ctrl_c_says_what_was_kept_and_where(tmp_path, monkeypatch, capsys):
         cli.results.record_cells(path, [Cell.from_dict(dict(CELL, set=vset.name, test=f"t{index}[cpu]")) for index in range(3)])
         return 0
 
-    monkeypatch.setattr(cli, "run_pytest", pytest_run)
+    monkeypatch.setattr(matrix_command, "run_pytest", pytest_run)
     assert cli.main(["matrix", "--sets", "seed,latest", "--families", "merge_parity", "--results", str(results_path)]) == 130
     assert capsys.readouterr().err == f"stackcheck: interrupted: kept 3 finished cells in {results_path}\n"
 

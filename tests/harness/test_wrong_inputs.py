@@ -176,14 +176,17 @@ def test_ctrl_c_is_one_line_saying_what_was_kept(tmp_path):
 import os, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from pathlib import Path
-from stackcheck import cli, envs, results
+from stackcheck import cli
+from stackcheck.runner import envs
+from stackcheck.core import results
 from stackcheck.core.cell import Cell
 envs.build = lambda *args, **kwargs: Path(sys.executable)
 envs.versions_in = lambda *args: ""
 def pytest_run(python, vset, targets, extra, path, *args, **kwargs):
     results.record_cells(path, [Cell(vset.name, "merge_parity", "t[cpu]", "cpu", "pass", seconds=1.0)])
     signal.raise_signal(signal.SIGINT)  # to this thread, as the terminal's Ctrl-C reaches the command
-cli.run_pytest = pytest_run
+from stackcheck.commands import matrix
+matrix.run_pytest = pytest_run
 sys.exit(cli.main(["matrix", "--sets", "seed", "--families", "merge_parity", "--results", {str(path)!r}]))
 """
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,

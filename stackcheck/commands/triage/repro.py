@@ -33,7 +33,7 @@ FAILING = (KNOWN_BUG, NEW_FAILURE)
 PARAMS_ENV = protocol.REPRO_PARAMS_ENV
 RUN_TIMEOUT_S = 900
 TRACE_TAIL_LINES = 30
-FACTS_CODE = ("import json; from stackcheck import hostinfo, versions; "
+FACTS_CODE = ("import json; from stackcheck.core import hostinfo, versions; "
               "print(json.dumps({'versions': versions.installed_versions(), 'platform': hostinfo.platform_facts()}))")
 GITHUB_REPOSITORIES = {"huggingface/transformers": "transformers", "huggingface/peft": "peft", "huggingface/accelerate": "accelerate",
                        "bitsandbytes-foundation/bitsandbytes": "bitsandbytes", "pytorch/pytorch": "torch"}
