@@ -6,7 +6,7 @@ import platform
 import sys
 from pathlib import Path
 
-if sys.version_info < (3, 11):  # pyproject's requires-python: tomllib. Before any import fails with a traceback.
+if sys.version_info < (3, 11):  # noqa: UP036 - pyproject's requires-python: tomllib. Before any import fails with a traceback.
     print(f"stackcheck: needs Python >= 3.11; {sys.executable} is {platform.python_version()}", file=sys.stderr)
     raise SystemExit(2)
 

@@ -50,7 +50,7 @@ def bench_device(request: pytest.FixtureRequest):
     import torch
 
     from stackcheck.core import hostinfo
-    from stackcheck.child.plugin import platform_of
+    from stackcheck.child.setup import platform_of
 
     from stackcheck.bench import harness as bench
 
@@ -74,7 +74,7 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json:
     import torch
 
     from stackcheck.core import hostinfo
-    from stackcheck.child.plugin import platform_of
+    from stackcheck.child.setup import platform_of
 
     from stackcheck.bench import harness as bench
     from stackcheck.core.versions import installed_versions

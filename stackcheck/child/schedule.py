@@ -79,7 +79,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption(RECORD_OPTION):
         config.pluginmanager.register(CpuMeter(), "stackcheck-cpu-meter")
     if loadgroup(config):
-        config.stackcheck_groups = Path(tempfile.mkdtemp(prefix="stackcheck-groups-"))
+        config.stash[GROUPS_FOLDER] = Path(tempfile.mkdtemp(prefix="stackcheck-groups-"))
 
 
 def measured(path: Path) -> dict[str, float]:
@@ -171,6 +171,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # --dist loadgroup, with the groups kept (see the module's docstring).
 GROUP_MARK = "xdist_group"
 GROUPS_KEY = "stackcheck_groups"  # the folder each worker writes its {nodeid: group} into, in its workerinput
+GROUPS_FOLDER = pytest.StashKey[Path]()  # that folder, on the controller's config
 
 
 def loadgroup(config: pytest.Config) -> bool:
@@ -179,7 +180,7 @@ def loadgroup(config: pytest.Config) -> bool:
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's: the controller, for each worker it starts
 def pytest_configure_node(node) -> None:
-    folder = getattr(node.config, "stackcheck_groups", None)
+    folder = node.config.stash.get(GROUPS_FOLDER, None)
     if folder is not None:
         node.workerinput[GROUPS_KEY] = str(folder)
 
@@ -198,7 +199,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         def schedule(self) -> None:
             if self.groups is None:  # every worker has reported its collection, so has written its groups
                 self.groups = {}
-                for path in sorted(Path(config.stackcheck_groups).glob("*.json")):
+                for path in sorted(Path(config.stash[GROUPS_FOLDER]).glob("*.json")):
                     self.groups.update(json.loads(path.read_text()))
             super().schedule()
 
@@ -210,7 +211,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    folder = getattr(config, "stackcheck_groups", None)
+    folder = config.stash.get(GROUPS_FOLDER, None)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -21,7 +21,7 @@ LANES = ("gpu", "cpu")
 CELL_KEYS = KEYS  # every recorded cell has them (stackcheck.core.cell); a distributed job's also has `ranks`
 # What a verdict means besides the libraries: the ledger and the judging of a failure against it, and the
 # family tests with what they build and run.
-DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/core/ledger.py", "stackcheck/child/plugin.py", "stackcheck/harness/scenario.py", "stackcheck/harness/*.py", "stackcheck/core/hostinfo.py", "stackcheck/models/*.py", "fixtures/*.json", "fixtures/architectures/*.json", "tests/families/*.py",
+DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/core/ledger.py", "stackcheck/child/*.py", "stackcheck/harness/scenario.py", "stackcheck/harness/*.py", "stackcheck/core/hostinfo.py", "stackcheck/models/*.py", "fixtures/*.json", "fixtures/architectures/*.json", "tests/families/*.py",
                     "tests/contract/*/*.py", "stackcheck/distributed/*.py", "fixtures/distributed/*")
 
 

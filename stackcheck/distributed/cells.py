@@ -23,6 +23,9 @@ from stackcheck.distributed import launcher, pool
 from stackcheck.process import warm
 from stackcheck.distributed.outcome import RankOutcome, raise_unless_passed
 
+RANKS = pytest.StashKey[list]()  # a distributed cell's rank outcomes, on its item
+POOL_GROUP = pytest.StashKey[str]()  # the warm pool group its cells share (pool_group), on its item
+
 # The GPU lane runs world sizes 1 and 2 (NCCL), 2 skipped with the count on a host with one GPU; the CPU lane
 # runs CPU_WORLD_SIZE ranks over gloo, and reads world size 1 as skipped.
 CPU_WORLD_SIZE = 2
@@ -94,11 +97,11 @@ class Ranks:
         if self.lane == "cpu" and cpu_costly and not every_cpu_variant():
             pytest.skip(f"CPU lane: left out of the default run ({cpu_costly}); {CPU_SELECTION_ENV}=all runs it")
         launch = pool.launch if warm.enabled() else launcher.launch  # STACKCHECK_RANK_POOL=1: a warm rank pool
-        expected = getattr(self.node, "stackcheck_pool_group", None)
+        expected = self.node.stash.get(POOL_GROUP, None)
         if expected and expected != pool.group(engine, world_size, self.lane):
             warnings.warn(f"{self.node.nodeid}: its job ({pool.group(engine, world_size, self.lane)}) is not its xdist group "
                           f"({expected}): fix its {ENGINE_MARK} mark", pytest.PytestWarning, stacklevel=2)
         outcomes = launch(target, self.workdir / "job", world_size, engine, self.lane, timeout, kwargs, engine_options)
-        self.node.stackcheck_ranks = outcomes
+        self.node.stash[RANKS] = outcomes
         raise_unless_passed(outcomes)
         return outcomes

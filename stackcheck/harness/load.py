@@ -621,7 +621,7 @@ def sibling_prefixes(model) -> list[str]:
         for child in names:
             siblings = [other for other in names if other != child and other.startswith(child)]
             full = [f"{parent}.{other}" if parent else other for other in siblings]
-            if any(s in linears or any(l.startswith(s + ".") for l in linears) for s in full):
+            if any(s in linears or any(name.startswith(s + ".") for name in linears) for s in full):
                 found.append(f"{parent}.{child}" if parent else child)
     return found
 

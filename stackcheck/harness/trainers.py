@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 from functools import cache
-from pathlib import Path
 
 import torch
 

@@ -167,8 +167,7 @@ def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[s
     variables added to the process's environment; `run`: the run's id (`new_run_id`), stamped on its cells."""
     # A family module that fails to import gets error cells; the other families still run.
     check_model_types(python, vset, extra)
-    command = [str(python), "-m", "pytest", *targets, option(SET_OPTION, vset.name), "--continue-on-collection-errors",
-               "-p", "stackcheck.child.progress", *extra]
+    command = [str(python), "-m", "pytest", *targets, option(SET_OPTION, vset.name), "--continue-on-collection-errors", *extra]
     if results_path:
         command.append(option(RESULTS_OPTION, results_path))
     if baseline:

@@ -57,6 +57,7 @@ from peft import get_peft_model, prepare_model_for_kbit_training
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
 
+from stackcheck.child import keys
 from stackcheck.core import results
 from stackcheck.harness import scenario
 from stackcheck.models import tiny
@@ -142,12 +143,12 @@ def train_save_export_reload(under_test, prompt, tmp_path, exchange, versions, n
 
 
 def test_trained_adapter_reloads_onto_a_fresh_4bit_base(under_test, prompt, tmp_path, adapter_exchange, request):
-    train_save_export_reload(under_test, prompt, tmp_path, adapter_exchange, request.config.stackcheck_versions, LANGUAGE, language_adapter)
+    train_save_export_reload(under_test, prompt, tmp_path, adapter_exchange, request.config.stash[keys.VERSIONS], LANGUAGE, language_adapter)
 
 
 @pytest.mark.needs("experts")
 def test_trained_expert_adapter_reloads_onto_a_fresh_4bit_base(under_test, prompt, tmp_path, adapter_exchange, request):
-    train_save_export_reload(under_test, prompt, tmp_path, adapter_exchange, request.config.stackcheck_versions, EXPERTS, expert_adapter,
+    train_save_export_reload(under_test, prompt, tmp_path, adapter_exchange, request.config.stash[keys.VERSIONS], EXPERTS, expert_adapter,
                              expert_deltas)
 
 
@@ -219,7 +220,7 @@ def test_expert_adapter_trained_by_the_baseline_set_reloads(under_test, prompt, 
     scenario.require_adapter_changes(export.trained_logits, export.base_logits, f"set '{export.set_name}''s trained model")
     # A verdict reads this set's versions alone: an adapter in the swapped layout loads here as the bug only where
     # this set reads the other layout, so the cell needs one trained outside the swapped range.
-    swapped = request.config.stackcheck_ledger.bugs[SWAPPED_LAYOUT]
+    swapped = request.config.stash[keys.LEDGER].bugs[SWAPPED_LAYOUT]
     scenario.require(not swapped.affects(export.versions),
                      f"set '{export.set_name}' trained its expert adapter in the layout of {SWAPPED_LAYOUT} "
                      f"({swapped.describe_range()}): this set's verdict cannot say whether its own PEFT reads it")

@@ -60,6 +60,6 @@ def test_generate_after_peft_redispatch_matches_undispatched(under_test, quantiz
 def test_generate_after_peft_load_with_base_device_map_matches_all_gpu(under_test, quantized, offload_dir, prompt):
     """Seed 001's variant: the base's own device map handed to PEFT, no memory pressure."""
     assert_redispatched_generation_matches_undispatched(
-        under_test, 
+        under_test,
         quantized, prompt, offload_dir, lambda base: {"device_map": base.hf_device_map}
     )

@@ -25,7 +25,7 @@ def test_search_finds_every_flip_in_about_log2_probes(count):
     for flip in range(1, count):
         probed = []
 
-        def newer_side(index, flip=flip):
+        def newer_side(index, flip=flip, probed=probed):
             probed.append(index)
             return index >= flip
 

@@ -13,7 +13,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
 
 from stackcheck import REPO_ROOT
 from stackcheck.distributed import launcher

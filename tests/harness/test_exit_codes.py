@@ -11,7 +11,6 @@ import pytest
 from stackcheck import cli
 from stackcheck.commands import matrix as matrix_command
 from stackcheck.runner import envs, exitcodes, lane
-from stackcheck.commands import gate
 from stackcheck.core import results, versions
 from stackcheck.core.cell import Cell
 from stackcheck.commands.triage import doctor

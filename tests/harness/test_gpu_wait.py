@@ -9,7 +9,7 @@ import pytest
 
 from stackcheck.process import cuda_driver, gpu_wait
 from stackcheck.runner import envs
-from stackcheck.child import plugin
+from stackcheck.child import setup as plugin
 from stackcheck.core.versions import UsageError
 
 
@@ -85,7 +85,7 @@ def test_no_device_or_a_cpu_torch_is_one_usage_line(monkeypatch):
     monkeypatch.setattr(envs.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(envs.metadata, "version", lambda name: "2.11.0")
     for driver in (None, Driver(devices=0)):
-        monkeypatch.setattr(cuda_driver, "load", lambda: driver)
+        monkeypatch.setattr(cuda_driver, "load", lambda driver=driver: driver)
         assert cuda_driver.device_names() in (None, [])
         with pytest.raises(UsageError, match="no GPU: torch 2.11.0 on this host sees no CUDA device"):
             envs.cuda_device()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stackcheck import REPO_ROOT
-from stackcheck.child import plugin
+from stackcheck.child import lanes as plugin
 from stackcheck.harness import scenario
 from stackcheck.harness import place
 from stackcheck.models import tiny

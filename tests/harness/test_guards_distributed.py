@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from stackcheck.distributed import launcher
-from stackcheck.distributed.cells import Ranks
+from stackcheck.distributed.cells import RANKS, Ranks
 from stackcheck.distributed.outcome import RanksFailed, RankState
 
 data_parallel = importlib.import_module("tests.contract.distributed.test_data_parallel_training")
@@ -34,7 +34,7 @@ def break_the_ranks(monkeypatch, tmp_path, patch: str) -> None:
 
 
 def ranks_for(tmp_path) -> Ranks:
-    return Ranks(SimpleNamespace(), "cpu", tmp_path / "ranks")
+    return Ranks(SimpleNamespace(stash=pytest.Stash()), "cpu", tmp_path / "ranks")
 
 
 @pytest.mark.parametrize("lane", ["cpu", "gpu"])
@@ -42,7 +42,7 @@ def test_deepspeed_cells_of_other_configs_share_the_engines_pool(tmp_path, lane)
     """Two cells of other DeepSpeed configs each write their own file, and on a warm pool each differs from the
     engine's own launch by variables only (accelerate's own launcher code says so: it passes the file's path and never
     reads it), the cell's path among them: both run on the engine's pool, each reading its own config."""
-    first, second = Ranks(SimpleNamespace(), lane, tmp_path / "a"), Ranks(SimpleNamespace(), lane, tmp_path / "b")
+    first, second = Ranks(SimpleNamespace(stash=pytest.Stash()), lane, tmp_path / "a"), Ranks(SimpleNamespace(stash=pytest.Stash()), lane, tmp_path / "b")
     paths = [first.deepspeed_config({"zero_optimization": {"stage": 1}}), second.deepspeed_config({"zero_optimization": {"stage": 3}})]
     assert [json.loads(path.read_text())["zero_optimization"]["stage"] for path in paths] == [1, 3]
     assert paths == [tmp_path / cell / "ds_config.json" for cell in "ab"]
@@ -113,7 +113,7 @@ def test_an_unclear_refusal_of_a_split_base_fails_the_auto_cell(monkeypatch, tmp
     break_the_ranks(monkeypatch, tmp_path / "clear", split)
     ranks = ranks_for(tmp_path / "clear")
     data_parallel.test_ddp_qlora_steps_match_one_process(ranks, 2, "auto")
-    results = [outcome.result for outcome in ranks.node.stackcheck_ranks]
+    results = [outcome.result for outcome in ranks.node.stash[RANKS]]
     assert all("meta" in r["base_devices"] and "device_map='auto'" in r["refused_at_prepare"] for r in results), results
 
     break_the_ranks(monkeypatch, tmp_path / "unclear", split + textwrap.dedent("""

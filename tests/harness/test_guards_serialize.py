@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from stackcheck.child import keys
 from stackcheck.child import exchange
 from stackcheck.harness import scenario
 from stackcheck.harness import serialize
@@ -23,7 +24,7 @@ decoding_family = importlib.import_module("tests.contract.generate.test_cached_d
 
 
 def request_for(versions: dict[str, str]):
-    return types.SimpleNamespace(config=types.SimpleNamespace(stackcheck_versions=versions))
+    return types.SimpleNamespace(config=types.SimpleNamespace(stash={keys.VERSIONS: versions}))
 
 
 def test_quantized_checkpoint_fails_when_a_quant_state_is_read_back_otherwise(tmp_path, monkeypatch):

@@ -14,7 +14,6 @@ from stackcheck import REPO_ROOT
 from stackcheck.child import schedule
 from stackcheck.runner.lane import named_paths, parallel_options
 from stackcheck.core.locking import folder_locked
-from stackcheck.models import tiny
 
 PARALLEL = ["-n", "4", "--dist", "load", "--maxschedchunk", "1"]
 

@@ -13,7 +13,8 @@ import pytest
 
 from stackcheck import REPO_ROOT
 from stackcheck.core.locking import folder_locked, run_folder
-from stackcheck.child.plugin import gpu_lane_skip_reason, visible_gpus, worker_gpus
+from stackcheck.child.lanes import gpu_lane_skip_reason
+from stackcheck.child.setup import visible_gpus, worker_gpus
 
 PROBE = """
 import os

@@ -141,7 +141,7 @@ def grid_model(matrix: dict, ledger: Ledger) -> dict:
     for cell in cells:
         key = (cell.family, cell.arch, cell.set_name, cell.lane)
         squares.setdefault(key, {"cells": []})["cells"].append(cell)
-    for index, (key, square) in enumerate(sorted(squares.items(), key=lambda item: (rows.index(item[0][:2]), columns.index(item[0][2:])))):
+    for index, (_key, square) in enumerate(sorted(squares.items(), key=lambda item: (rows.index(item[0][:2]), columns.index(item[0][2:])))):
         mine = sorted(square["cells"], key=lambda c: (SEVERITY.index(c.verdict), c.test))
         square["cells"] = mine
         square["verdict"] = results.worst([c.verdict for c in mine])

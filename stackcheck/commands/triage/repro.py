@@ -12,8 +12,6 @@ Loaded by pytest as a plugin (`-p stackcheck.commands.triage.repro`), it writes 
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import json
 import os
 import re
@@ -37,20 +35,6 @@ FACTS_CODE = ("import json; from stackcheck.core import hostinfo, versions; "
               "print(json.dumps({'versions': versions.installed_versions(), 'platform': hostinfo.platform_facts()}))")
 GITHUB_REPOSITORIES = {"huggingface/transformers": "transformers", "huggingface/peft": "peft", "huggingface/accelerate": "accelerate",
                        "bitsandbytes-foundation/bitsandbytes": "bitsandbytes", "pytorch/pytorch": "torch"}
-
-
-def pytest_collection_finish(session) -> None:
-    """As a pytest plugin: write the collected test's parameters (as Python literals) and fixtures."""
-    target = os.environ.get(PARAMS_ENV)
-    if not target or len(session.items) != 1:
-        return
-    (item,) = session.items
-    # The lane and the architecture become the script's DEVICE and ARCH (repro_script.FIXTURE_VALUES).
-    params = {name: repr(value) for name, value in item.callspec.params.items() if name not in ("lane", "arch")} if hasattr(item, "callspec") else {}
-    arch = item.callspec.params.get("arch") if hasattr(item, "callspec") else None
-    fixtures = [name for name in inspect.signature(item.function).parameters if name not in params]
-    Path(target).write_text(json.dumps({"params": params, "fixtures": fixtures,
-                                        "arch": dataclasses.asdict(arch) if arch else None}, default=sorted))
 
 
 @dataclass(frozen=True)
@@ -98,7 +82,7 @@ def run_cells(python: Path, cell_set: VersionSet, test: lane.TestId, scratch: Pa
 def collected(python: Path, test: str, scratch: Path) -> dict:
     out = scratch / "params.json"
     out.unlink(missing_ok=True)
-    subprocess.run([str(python), "-m", "pytest", test, "--collect-only", "-q", "-p", "stackcheck.commands.triage.repro"], cwd=REPO_ROOT,
+    subprocess.run([str(python), "-m", "pytest", test, "--collect-only", "-q"], cwd=REPO_ROOT,
                    env=dict(os.environ, **{PARAMS_ENV: str(out)}, HF_HUB_OFFLINE="1"), capture_output=True)
     if not out.exists():
         raise UsageError(f"pytest collects no single test {test}")

@@ -32,7 +32,6 @@ The bitsandbytes bug is filed by the base's kind in the message: "4-bit base" ce
 """
 
 import pytest
-import torch
 
 from stackcheck.harness import scenario
 from stackcheck.harness.generate import decoded

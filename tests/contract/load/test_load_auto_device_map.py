@@ -99,7 +99,7 @@ def test_auto_device_map_honours_max_memory(under_test, quant, budget, offload_d
         print(f"stackcheck measured: {unused} B reserved but unused on {main} before the second call")
     _, again = scenario.auto_placed(under_test, quant, allowed, offload_dir / "again")
     moved = sorted(name for name in set(device_map) | set(again) if device_map.get(name) != again.get(name))
-    assert not moved, (f"device_map='auto' with the same model and max_memory gives another map on the second call: "
+    assert not moved, ("device_map='auto' with the same model and max_memory gives another map on the second call: "
                        + ", ".join(f"{name or 'the whole model'} {device_map.get(name)} -> {again.get(name)}" for name in moved[:4]))
 
 def same_layers_quantized(under_test, quant, placed, whole):

@@ -38,6 +38,7 @@ import pytest
 import torch
 from packaging.version import Version
 
+from stackcheck.child import keys
 from stackcheck.harness import scenario
 from stackcheck.child.exchange import ExportMissing
 from stackcheck.harness import serialize
@@ -71,7 +72,7 @@ def test_saved_checkpoint_reloads_bit_exact(under_test, quantization, lane, prom
     """Within one set: save the quantized model, load the checkpoint back, get the same model (every saved tensor
     held bit for bit under its name, the same bitsandbytes layers) and the same logits, bit for bit. The set leaves
     the checkpoint in the exchange for the sets after it."""
-    versions, name = request.config.stackcheck_versions, export_name(lane, quantization)
+    versions, name = request.config.stash[keys.VERSIONS], export_name(lane, quantization)
     try:
         model = serialize.load_quantized(under_test, quantization)
     except tiny.FixtureError as exc:
@@ -115,7 +116,7 @@ def baseline_export(base_exchange, name: str, versions: dict[str, str]):
 def test_checkpoint_saved_by_the_baseline_set_reloads(under_test, quantization, lane, prompt, base_exchange, request):
     """The upgrade: the quantized checkpoint the baseline set saved (the test above, run by it), loaded by this
     set, holds what was written and reproduces the logits the baseline's saved model gave."""
-    versions = request.config.stackcheck_versions
+    versions = request.config.stash[keys.VERSIONS]
     export = baseline_export(base_exchange, export_name(lane, quantization), versions)
     written = serialize.require_checkpoint_written(export.checkpoint, quantization)
 

@@ -38,7 +38,6 @@ the autocast Qwen3-Next read 0.0157 on the CPU), and the user's plain reload by 
 lowers and dtype noise, across the effect, does not.
 """
 
-import pytest
 import torch
 
 from stackcheck.harness import scenario
