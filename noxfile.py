@@ -24,7 +24,7 @@ def _run(command: str, session: nox.Session, *args: str) -> None:
 
 # One session per CLI command: `nox -s NAME -- ARGS` is `python -m stackcheck NAME ARGS`.
 COMMANDS = {
-    "tests": "The harness's own tests plus the CPU lane of every family, on the default set.",
+    "tests": "The harness's own tests plus the CPU lane of every family, on the default set; then `lint`.",
     "matrix": "The CPU lane of every set (or `-- --sets a,b --with pkg==ver`); writes results/matrix.{json,md}.",
     "gpu-matrix": "The GPU and CPU lanes of every set over the host's CUDA torch; fails in one line without a GPU.",
     "bench": "VRAM and tokens/s of each set as ratios against a baseline (`-- --sets seed,latest --smoke`); writes results/bench.md.",
@@ -46,6 +46,7 @@ def _command_session(command: str, doc: str) -> None:
     def session(session: nox.Session) -> None:
         if command == "tests":
             browser.ensure_chromium()  # on a CI machine (root, CI set): the report's browser tests run there
+            session.notify("lint")  # and the layout's rules, lint and types: CI runs `nox -s tests`
         _run(command, session)
 
     def report(session: nox.Session) -> None:
@@ -70,6 +71,20 @@ try:
 except UsageError as exc:  # `nox -l` still lists the other sessions, and says why there is no matrix_set
     print(f"stackcheck: {exc}; no matrix_set sessions", file=sys.stderr)
     SET_NAMES = []
+
+
+# The lint environment's tools, pinned as the tests' are.
+LINT_TOOLS = ("import-linter==2.17", "ruff==0.17.6", "mypy==2.4.1", "packaging>=23")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """The import contracts of the process boundary (pyproject's [tool.importlinter]), ruff, and the type check of
+    core/, runner/ and commands/ (docs/architecture.md, "Rooms and rules"); `nox -s tests` runs it after the tests."""
+    session.install("--quiet", *LINT_TOOLS)
+    root = str(Path(__file__).parent)
+    session.run("lint-imports", "--no-cache", env={"PYTHONPATH": root})
+    session.run("ruff", "check", root)
 
 
 @nox.session

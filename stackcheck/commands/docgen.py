@@ -1,6 +1,7 @@
 """The generated pages of docs/, each from the one home of what it says, so that none can drift:
 
 - docs/commands.md from stackcheck's own argument parser (stackcheck.cli);
+- docs/variables.md from the registry of STACKCHECK_* variables (stackcheck.core.protocol.VARIABLES);
 - docs/families.md from the ledger's families (stackcheck/ledger.toml) and the first sentence of each family module's
   docstring (stackcheck.core.ledger.family_paths: tests/families/test_<id>.py, tests/contract/<phase>/test_<id>.py).
 
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 from stackcheck import REPO_ROOT
+from stackcheck.core import protocol
 from stackcheck.core.ledger import CONTRACT_DIR, Ledger, family_paths
 
 DOCS = REPO_ROOT / "docs"
@@ -101,7 +103,8 @@ def families_page() -> str:
 
 def pages(parser: argparse.ArgumentParser) -> dict[str, str]:
     """{page under docs/: its text as generated now}; `parser` is the CLI's (stackcheck.cli hands it over)."""
-    return {"commands.md": commands_page(parser), "families.md": families_page()}
+    return {"commands.md": commands_page(parser), "families.md": families_page(), "variables.md": GENERATED.format(
+        source="stackcheck/core/protocol.py's VARIABLES") + "\n\n" + protocol.variables_page()}
 
 
 def stale(parser: argparse.ArgumentParser, docs: Path = DOCS) -> list[str]:

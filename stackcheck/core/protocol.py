@@ -10,6 +10,8 @@ Also here: the default places the commands write to (results/, results/matrix.js
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from stackcheck import REPO_ROOT
 
 # pytest options of stackcheck.child.plugin.
@@ -25,20 +27,51 @@ BENCH_SIZE_OPTION = "--stackcheck-bench-size"
 BENCH_REPEAT_OPTION = "--stackcheck-bench-repeat"
 BENCH_SMOKE_OPTION = "--stackcheck-bench-smoke"
 
-# Variables the command side sets for the child.
-LAUNCHED_AT_ENV = "STACKCHECK_LAUNCHED_AT"  # time.time() at launch: where the start-up share of a run's cost begins
-RUN_ENV = "STACKCHECK_RUN"  # this pytest run's id: the recorder stamps each cell it records with it
-PROGRESS_ENV = "STACKCHECK_PROGRESS"  # the long run's state, for the child's live progress line (stackcheck.core.progress)
-REPRO_PARAMS_ENV = "STACKCHECK_REPRO_PARAMS"  # where `repro`'s collecting child writes a test's parameters
-SCAN_IN_ENV = "STACKCHECK_SCAN_IN"  # `scan --python P` runs itself again under P, which this names
-DIST_LANE_ENV = "STACKCHECK_DIST_LANE"  # a distributed job's lane, for its ranks (stackcheck.distributed.rank)
-RANK_POOL_ENV = "STACKCHECK_RANK_POOL"  # 1: warm rank pools and the warm resume process (stackcheck.process.warm)
-WARMING_ENV = "STACKCHECK_WARMING"  # the bytecode warmer's marker and process id, for the workers (stackcheck.process.warmer)
-# Variables a user (or a harness test) sets.
-FIXTURES_ENV = "STACKCHECK_FIXTURES"  # the fixtures folder (a harness test breaks a precondition through it)
-CACHE_ENV = "STACKCHECK_CACHE"  # where the tiny checkpoints are cached
-WHEEL_DIRS_ENV = "STACKCHECK_WHEEL_DIRS"  # local wheel folders the environments take torch from
-BENCH_SLOWDOWN_ENV = "STACKCHECK_BENCH_SYNTHETIC_SLOWDOWN"  # test-only: slows every timed bench call
+# Every STACKCHECK_* variable, in one registry (docs/variables.md is generated from it): who sets it, what it means.
+COMMAND, USER = "the command side", "a user (or a harness test)"
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    set_by: str
+    meaning: str
+
+
+VARIABLES: dict[str, Variable] = {}
+
+
+def _variable(name: str, set_by: str, meaning: str) -> str:
+    VARIABLES[name] = Variable(name, set_by, meaning)
+    return name
+
+
+LAUNCHED_AT_ENV = _variable("STACKCHECK_LAUNCHED_AT", COMMAND, "time.time() at launch: where the start-up share of a run's cost begins")
+RUN_ENV = _variable("STACKCHECK_RUN", COMMAND, "this pytest run's id: the recorder stamps each cell it records with it")
+PROGRESS_ENV = _variable("STACKCHECK_PROGRESS", COMMAND, "the long run's state, for the child's live progress line (stackcheck.core.progress)")
+REPRO_PARAMS_ENV = _variable("STACKCHECK_REPRO_PARAMS", COMMAND, "where `repro`'s collecting child writes a test's parameters")
+SCAN_IN_ENV = _variable("STACKCHECK_SCAN_IN", COMMAND, "`scan --python P` runs itself again under P, which this names")
+DIST_LANE_ENV = _variable("STACKCHECK_DIST_LANE", COMMAND, "a distributed job's lane, for its ranks (stackcheck.distributed.rank)")
+WARMING_ENV = _variable("STACKCHECK_WARMING", COMMAND, "the bytecode warmer's marker and process id, for the workers (stackcheck.process.warmer)")
+GPU_WAIT_ENV = _variable("STACKCHECK_GPU_WAIT", COMMAND, "how a process on a shared GPU host waits for its GPU: `block` (asleep, set by an xdist "
+                         "worker for what it starts) or `spin` (CUDA's default; a user may set it) (stackcheck.process.gpu_wait)")
+RANK_POOL_ENV = _variable("STACKCHECK_RANK_POOL", USER, "1: two-rank cells on warm rank pools and trainer_resume's resumes on a warm process; 0: a new "
+                          "process for each (the matrix commands pass 1 unless the user set 0; plain pytest and CI: 0) (stackcheck.process.warm)")
+DIST_CPU_ENV = _variable("STACKCHECK_DIST_CPU", USER, "`all`: the CPU lane also runs the distributed cells left out of the default run for their cost")
+FIXTURES_ENV = _variable("STACKCHECK_FIXTURES", USER, "the fixtures folder (a harness test breaks a precondition through it)")
+CACHE_ENV = _variable("STACKCHECK_CACHE", USER, "where the tiny checkpoints are cached")
+WHEEL_DIRS_ENV = _variable("STACKCHECK_WHEEL_DIRS", USER, "local wheel folders the environments take torch from")
+BENCH_SLOWDOWN_ENV = _variable("STACKCHECK_BENCH_SYNTHETIC_SLOWDOWN", USER, "test-only: slows every timed bench call")
+CHROMIUM_ENV = _variable("STACKCHECK_CHROMIUM", USER, "the Chromium the report's browser tests and screenshots drive (default: the OS's)")
+INSTALL_BROWSER_ENV = _variable("STACKCHECK_INSTALL_BROWSER", USER, "1: `nox -s tests` installs the OS's Chromium where it can (as on CI)")
+
+
+def variables_page() -> str:
+    """docs/variables.md's table, from VARIABLES."""
+    rows = [f"| `{v.name}` | {v.set_by} | {v.meaning} |" for v in VARIABLES.values()]
+    return "\n".join(["# Environment variables", "", "Every `STACKCHECK_*` variable, from `stackcheck/core/protocol.py` (the one place they are "
+                      "declared).", "", "| variable | set by | meaning |", "|---|---|---|", *rows, ""])
+
 
 # Where the commands write by default.
 RESULTS_DIR = REPO_ROOT / "results"

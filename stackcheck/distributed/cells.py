@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from stackcheck.distributed import launcher, pool
+from stackcheck.core.protocol import DIST_CPU_ENV
 from stackcheck.process import warm
 from stackcheck.distributed.outcome import RankOutcome, raise_unless_passed
 
@@ -33,7 +34,7 @@ WORLD_SIZES = pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=py
 # A job of the tiny models takes 25 s on 2 shared cores (two ranks of 12 s each); a rank that takes this long hangs.
 DEFAULT_TIMEOUT = 180.0
 # STACKCHECK_DIST_CPU=all: the CPU lane also runs the cells left out of the default run for their cost.
-CPU_SELECTION_ENV = "STACKCHECK_DIST_CPU"
+CPU_SELECTION_ENV = DIST_CPU_ENV
 # `@pytest.mark.ranks_engine(ENGINE)` names the engine a test launches where it is not the test's `engine` parameter;
 # ENGINE is a name, or a function of the test's parameters that gives it.
 ENGINE_MARK = "ranks_engine"

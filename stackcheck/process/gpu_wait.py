@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import os
 
+from stackcheck.core.protocol import GPU_WAIT_ENV
 from stackcheck.process import cuda_driver
 
-WAIT_VARIABLE = "STACKCHECK_GPU_WAIT"
+WAIT_VARIABLE = GPU_WAIT_ENV
 BLOCK, SPIN = "block", "spin"
 CU_CTX_SCHED_BLOCKING_SYNC = 0x04
 

@@ -14,6 +14,8 @@ import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
+from stackcheck.core.protocol import CHROMIUM_ENV, INSTALL_BROWSER_ENV
+
 # Debian's wrapper script (/usr/bin/chromium) sets flags for a desktop session; the binary behind it is what a
 # headless run needs. STACKCHECK_CHROMIUM names another.
 CANDIDATES = ("/usr/lib/chromium/chromium", "/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
@@ -23,7 +25,7 @@ PHONE = {"width": 390, "height": 844}
 
 
 def chromium_path() -> str | None:
-    named = os.environ.get("STACKCHECK_CHROMIUM")
+    named = os.environ.get(CHROMIUM_ENV)
     if named:
         return named if Path(named).is_file() else None
     found = next((path for path in CANDIDATES if Path(path).is_file()), None)
@@ -43,7 +45,7 @@ def missing() -> str | None:
 
 
 def may_install() -> bool:
-    return (os.environ.get("CI") or os.environ.get("STACKCHECK_INSTALL_BROWSER") == "1") and hasattr(os, "geteuid") \
+    return (os.environ.get("CI") or os.environ.get(INSTALL_BROWSER_ENV) == "1") and hasattr(os, "geteuid") \
         and os.geteuid() == 0 and shutil.which("apt-get") is not None
 
 
