@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from stackcheck.core.protocol import BENCH_REPEAT_OPTION, BENCH_SIZE_OPTION, BENCH_SMOKE_OPTION, SET_OPTION
+from stackcheck.child import keys
+from stackcheck.core.protocol import BENCH_REPEAT_OPTION, BENCH_SIZE_OPTION, BENCH_SMOKE_OPTION
 
 BANDWIDTH = pytest.StashKey[dict]()
 NOT_MEASURED = pytest.StashKey[list]()
@@ -80,7 +81,7 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks, output_json:
     from stackcheck.core.versions import installed_versions
 
     output_json["stackcheck"] = {
-        "set": config.getoption(SET_OPTION),
+        "set": config.stash[keys.SET].name,
         "versions": installed_versions(),
         "device": hostinfo.device_name(platform_of(config)),
         "platform": platform_of(config),

@@ -9,10 +9,12 @@ from concurrent.futures import Future
 import pytest
 
 from stackcheck.core.ledger import Ledger
+from stackcheck.core.versions import VersionSet
 from stackcheck.distributed.cells import POOL_GROUP, RANKS  # noqa: F401 - the item's keys that the distributed lane sets
 from stackcheck.models.architectures import Architecture
 
 CELL_KEY = "stackcheck_cell"  # the report's user property that carries a cell (plain data: xdist sends it)
+SET = pytest.StashKey[VersionSet]()  # the set under test: the runner's record, or --stackcheck-set's name on the installed versions
 LEDGER = pytest.StashKey[Ledger]()
 LANES = pytest.StashKey[list]()  # the lanes the run holds (--stackcheck-lanes)
 ARCHITECTURES = pytest.StashKey[list[Architecture]]()  # the architectures under test (--stackcheck-arch)

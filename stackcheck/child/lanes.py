@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from stackcheck.child import axes, exchange, keys
-from stackcheck.core.protocol import BASELINE_OPTION, RESULTS_OPTION, SET_OPTION
+from stackcheck.core.protocol import BASELINE_OPTION, RESULTS_OPTION
 from stackcheck.core.results import family_of
 from stackcheck.distributed.cells import Ranks
 from stackcheck.models import architectures
@@ -88,7 +88,7 @@ def adapter_exchange(request: pytest.FixtureRequest, arch) -> exchange.AdapterEx
     config = request.config
     path = config.getoption(RESULTS_OPTION)
     return exchange.AdapterExchange(exchange.folder_beside(Path(path)) / arch.name if path else None,
-                                    config.getoption(SET_OPTION), config.getoption(BASELINE_OPTION))
+                                    config.stash[keys.SET].name, config.getoption(BASELINE_OPTION))
 
 
 @pytest.fixture

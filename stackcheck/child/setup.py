@@ -5,6 +5,7 @@ How a run is laid out: docs/architecture.md, "The pytest child"."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -14,8 +15,8 @@ from stackcheck.child import keys
 from stackcheck.child.recorder import Recorder, Timing
 from stackcheck.core import hostinfo, results
 from stackcheck.core.ledger import Ledger, LedgerError
-from stackcheck.core.protocol import ARCH_OPTION, BASELINE_OPTION, LANES_OPTION, RESULTS_OPTION, SET_OPTION, TIMING_OPTION
-from stackcheck.core.versions import installed_versions
+from stackcheck.core.protocol import ARCH_OPTION, BASELINE_OPTION, LANES_OPTION, RESULTS_OPTION, SET_OPTION, SET_RECORD_ENV, TIMING_OPTION
+from stackcheck.core.versions import LIBRARIES, Pin, VersionSet, installed_versions
 from stackcheck.models import architectures
 from stackcheck.process import cuda_driver, gpu_wait, resume as resume_process, warm, warmer
 
@@ -105,15 +106,27 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(exc)) from None
     config.stash[keys.ARCH_NAMES] = [arch.name for arch in config.stash[keys.ARCHITECTURES]]
     config.stash[keys.VERSIONS] = installed_versions()
+    config.stash[keys.SET] = set_under_test(config)
     if config.getoption(TIMING_OPTION) and not hasattr(config, "workerinput"):
         config.pluginmanager.register(Timing(Path(config.getoption(TIMING_OPTION))), "stackcheck-timing")
     path = config.getoption(RESULTS_OPTION)
     if path and not hasattr(config, "workerinput"):  # the xdist controller (or a plain run) owns the file
         # Nothing is written before collection finishes: a run that pytest refuses, or that collects nothing, changes nothing.
-        recorder = Recorder(Path(path), config.getoption(SET_OPTION), config.stash[keys.LANES], config.stash[keys.ARCH_NAMES],
+        recorder = Recorder(Path(path), config.stash[keys.SET].name, config.stash[keys.LANES], config.stash[keys.ARCH_NAMES],
                             config.stash[keys.VERSIONS], lambda: platform_of(config))
         config.pluginmanager.register(recorder, "stackcheck-recorder")
         read_platform_early(config)
+
+
+def set_under_test(config: pytest.Config) -> VersionSet:
+    """The set as the command side resolved it (protocol.SET_RECORD_ENV); in a plain pytest run, --stackcheck-set's
+    name on what is installed."""
+    record = os.environ.get(SET_RECORD_ENV)
+    if record:
+        return VersionSet.from_dict(json.loads(record))
+    installed = config.stash[keys.VERSIONS]
+    return VersionSet(config.getoption(SET_OPTION), {package: Pin(package, installed[package]) for package in LIBRARIES
+                                                       if installed.get(package, "absent") != "absent"})
 
 
 def platform_of(config: pytest.Config) -> dict[str, str]:
@@ -152,4 +165,4 @@ def read_platform_early(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in config.stash[keys.VERSIONS].items())
     facts = ", ".join(f"{k} {v}" for k, v in platform_of(config).items())
-    return [f"stackcheck set '{config.getoption(SET_OPTION)}': {versions}", f"stackcheck platform: {facts}"]
+    return [f"stackcheck set '{config.stash[keys.SET].name}': {versions}", f"stackcheck platform: {facts}"]

@@ -19,7 +19,6 @@ from stackcheck.distributed.outcome import RanksFailed, judge_ranks
 from stackcheck.models import architectures
 from stackcheck.models.tiny import FixtureError, NotApplicable
 from stackcheck.process import resume as resume_process
-from stackcheck.core.protocol import SET_OPTION
 
 
 @pytest.hookimpl(tryfirst=True)  # before -k/-m deselect: the ledger is checked against everything collected
@@ -69,7 +68,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if family is None or not _is_final_phase(report):
         return
     judgement = _judge(item, call, report, family)
-    cell = Cell.judged(item.config.getoption(SET_OPTION), family, item.nodeid, item.config.stash[keys.ARCH_NAMES], judgement)
+    cell = Cell.judged(item.config.stash[keys.SET].name, family, item.nodeid, item.config.stash[keys.ARCH_NAMES], judgement)
     if judgement.verdict in (NEW_FAILURE, ERROR) and call.excinfo is not None:  # kept for whoever researches it
         cell = cell.replace(detail=detail_of(str(call.excinfo.value)))
     if RANKS in item.stash:  # a distributed job's cell records every rank

@@ -46,6 +46,8 @@ def _variable(name: str, set_by: str, meaning: str) -> str:
     return name
 
 
+SET_RECORD_ENV = _variable("STACKCHECK_SET", COMMAND, "the version set under test, as the command resolved it (VersionSet.to_dict as JSON): "
+                           "the child records its cells under its name")
 LAUNCHED_AT_ENV = _variable("STACKCHECK_LAUNCHED_AT", COMMAND, "time.time() at launch: where the start-up share of a run's cost begins")
 RUN_ENV = _variable("STACKCHECK_RUN", COMMAND, "this pytest run's id: the recorder stamps each cell it records with it")
 PROGRESS_ENV = _variable("STACKCHECK_PROGRESS", COMMAND, "the long run's state, for the child's live progress line (stackcheck.core.progress)")

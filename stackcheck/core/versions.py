@@ -69,6 +69,17 @@ class VersionSet:
     def slug(self) -> str:
         return slug(self.name)
 
+    def to_dict(self) -> dict:
+        """Plain data (JSON): how the set crosses from the command side to the pytest child (protocol.SET_RECORD_ENV)."""
+        return {"name": self.name, "pins": {package: {"version": pin.version, "url": pin.url} for package, pin in self.pins.items()},
+                "description": self.description, "opt_in": self.opt_in}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> VersionSet:
+        """The set `to_dict` wrote: VersionSet.from_dict(s.to_dict()) == s."""
+        pins = {package: Pin(package, pin["version"], pin["url"]) for package, pin in data["pins"].items()}
+        return cls(data["name"], pins, data["description"], data["opt_in"])
+
 
 def slug(set_name: str) -> str:
     """A set's name as a file name."""

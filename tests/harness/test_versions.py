@@ -1,5 +1,6 @@
 """Version sets and command-line pins: valid input resolves, bad input is one line and exit code 2."""
 
+import json
 import pytest
 
 from stackcheck import cli
@@ -80,3 +81,11 @@ def test_trl_is_pinnable_with_with_and_in_a_set(tmp_path):
                          'bitsandbytes = "0.49.2"\ntrl = "1.16.0"\n')
     assert load_sets(sets_file)[0]["s"].pins["trl"].requirement() == "trl==1.16.0"
     assert "trl" in versions.installed_versions() and "trl" in results.VERSION_COLUMNS
+
+
+def test_a_set_crosses_the_boundary_as_a_record_and_comes_back_whole():
+    """The runner hands the child the set it resolved (protocol.SET_RECORD_ENV), pins included, not a name to rebuild."""
+    from stackcheck.core.versions import VersionSet, resolve
+
+    for vset in resolve(["seed"], ["peft==0.20.0"]) + resolve(["latest"]):
+        assert VersionSet.from_dict(json.loads(json.dumps(vset.to_dict()))) == vset
