@@ -1,13 +1,8 @@
 """Reading and comparing bench JSON, without torch: `compare` is the pure function a gate runs on a
 candidate and a baseline run, against the documented THRESHOLDS.
 
-A bench JSON is pytest-benchmark's `--benchmark-json` output of tests/benchmarks: one entry per (size,
-case, phase) whose `stats` are seconds per timed round (median, IQR, ...) and whose `extra_info` holds
-what a round produced or, for the training step, took in (tokens), memory, parameters, weight bytes
-and, for decode, the weight bytes read per token; plus a top-level `stackcheck` block (set, versions,
-device, mode, bandwidth, synthetic slowdown) written by stackcheck.child.bench, and in it `distributed`: the
-distributed training case's cells (stackcheck.bench.distributed.measure), each every rank's numbers or why the cell
-was not measured, timed by the ranks rather than by pytest-benchmark.
+A bench JSON is pytest-benchmark's `--benchmark-json` output of tests/benchmarks, plus a top-level `stackcheck`
+block (set, versions, device, the distributed case's cells). Its fields: docs/internals.md, "bench/compare.py".
 """
 
 from __future__ import annotations

@@ -1,42 +1,9 @@
 """The bench's distributed training case: QLoRA optimizer steps under FSDP2 and DeepSpeed ZeRO-3 at world sizes 1 and
-2, launched as users launch them (stackcheck.distributed.launcher: `accelerate launch --config_file
-fixtures/distributed/<engine>.yaml`), measured on every rank.
+2, launched as users launch them (stackcheck.distributed.launcher), on Llama 3.2 1B, measured on every rank: tokens/s
+of the job, peak and resting memory, and what each rank holds beside the user's and the engine's arithmetic
+(stackcheck.distributed.memory). The recipes are the distributed families' (stackcheck.distributed.recipes).
 
-The recipes are the distributed families' (stackcheck.distributed.recipes): FSDP2's NF4 with double quant in uint8
-storage (case `fsdp2`) and in bf16 storage (`fsdp2_bf16`, the memory recipe), `device_map` on the rank's device,
-`prepare(model, optimizer)`; ZeRO-3's bf16 quant storage, no device map,
-`prepare` with a DataLoader so that ZeRO's "auto" batch sizes are filled. Both train a fresh LoRA (tiny.lora_config: rank 4 on PEFT's default targets) with AdamW
-after `prepare_model_for_kbit_training`, which casts every parameter that is not 4-bit to fp32 and turns on gradient
-checkpointing.
-
-The model: Llama 3.2 1B, the full-size config of fixtures/architectures/llama3.json (1,235,814,400 parameters) with
-random weights, for the realistic size; its tiny shrink for the tiny size. Not the bench's realistic Gemma 4 E4B: its
-tiny version already fails under FSDP2 on seed (test_fsdp2_params4bit's docstring), so it would measure a failure,
-and Llama 3.2 1B (tied embeddings, the dense decoder of the FSDP-QLoRA guides) is what both engines train. The
-checkpoint is built once (tiny.base_checkpoint's cache), its random init on the GPU as tiny.realistic_checkpoint
-builds the bench's Gemma 4, by the bench process before the ranks start; each rank then loads it through
-`from_pretrained`, so bitsandbytes quantizes it on the real loading path.
-
-The batch: each rank trains its own micro batch of `rows` x `sequence` random tokens, 4 x 2048 at realistic size (a
-usual fine-tuning context). Chosen by arithmetic, not measured (no GPU where this was written): a step is about
-8192 x (6 x 0.97e9 + 4 x 0.26e9) = 5.6e13 FLOP (forward, the checkpointed forward again and the input gradients
-through the 4-bit linears; forward and input gradients through the fp32 tied lm_head), a few hundred milliseconds of
-an H100, while the host's kernel launches (three passes over 16 layers) do not grow with the tokens: the families'
-12-token step launches the same kernels for 1/680 of the work. Every run checks the choice: each rank also times the
-steps on half the batch (`half_batch_time_ratio`: about 0.5 when the GPU sets the speed, about 1 when the host does).
-
-Measured on every rank, after `warmup` untimed steps: the `steps` timed steps, each synchronized with the device
-(torch.cuda.synchronize) and the ranks started together (a barrier); tokens/s of the whole job = rows x sequence x
-world size / the rank's median step time (the ranks step in lockstep: the job's number is its slowest rank's). On a
-GPU: peak allocated bytes from the start of the rank to the end of `prepare` (load and sharding), and again over the
-timed steps (the peak statistics reset at their start); allocated bytes at rest after `prepare`. And two arithmetics
-of what the rank should hold at rest (stackcheck.distributed.memory), beside what its parameters really hold, by part
-(`held_by_part`: shards are padded): the user's (`users_arithmetic`: every parameter / world size, since the engine
-was told to shard the whole model) and the engine's (`arithmetic`: each part's bytes / world size where the engine
-really shards it, a DTensor under FSDP2 or a ZeRO-3 partitioned parameter, whole where it does not, read from the
-prepared model). The 4-bit quant states (absmax and the nested state) are attributes, not parameters: both keep them
-whole. The two differ where the engine leaves out what the user told it to shard: accelerate >= 1.14 excludes
-FSDP2's uint8 4-bit weights from sharding (accelerate#3987), so each rank holds them whole; 1.13 shards them.
+Why this model, batch and measure: docs/internals.md, "bench/distributed.py"; the results: docs/bench.md.
 """
 
 from __future__ import annotations

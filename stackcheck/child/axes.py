@@ -1,19 +1,8 @@
 """Axes of a contract family, covered by pairs: every pair of values of two axes appears in some cell, the
-architecture included, at a small fraction of the full product (`allpairspy`'s greedy cover, which is
-deterministic: the same cells on every machine and run, so verdicts compare). `--stackcheck-exhaustive` runs the
-product instead.
-
-A contract test names its axes with a mark; each value has an id (no `-`: pytest joins parameters with it) and the
-value the test receives as a fixture-free argument of the same name:
-
-    @pytest.mark.axes(quant=QUANT, dtype={"bf16": torch.bfloat16, "fp16": torch.float16})
-    def test_x(under_test, quant, dtype): ...
-
-A test that uses the model under test gets `arch` as the first axis of the cover (its cell ids stay
-`test_x[<lane>-<arch>-<value>-...]`, so `results.arch_of` reads them as every family's). An axis value that cannot
-exist on an architecture is the test's business: `NotApplicable` from the test, as for any family.
-
-This module is a pytest plugin (pyproject's addopts) and runs in the pytest child.
+architecture included, at a small fraction of the full product (`allpairspy`'s deterministic greedy cover, so
+verdicts compare); `--stackcheck-exhaustive` runs the product instead. A test names its axes with
+`@pytest.mark.axes(name={id: value, ...})`. A pytest plugin (pyproject's addopts) that runs in the pytest child.
+How to use it: docs/internals.md, "child/axes.py".
 """
 
 from __future__ import annotations

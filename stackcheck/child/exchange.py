@@ -2,20 +2,8 @@
 what it measured, for the sets after it; a later set loads its baseline's, as a user loads after upgrading what
 they saved before.
 
-The runner names the baseline (`--stackcheck-baseline`): the gate's baseline for its candidate, the first set of a
-`matrix` run for the others. The folders lie beside the run's matrix.json, one per kind and architecture:
-
-- `adapter` (`trained-adapters/<arch>/`): a set may train several adapters (say one on the attention and one on a
-  mixture of experts' fused expert parameters); it exports each under `<set slug>/<adapter name>/`: `adapter/`
-  (PEFT's `save_pretrained`), `outputs.safetensors` (the logits of the base and of the trained model on the
-  prompt), `tensors.safetensors` (what else it measured on the trained model) and `export.json` (the set's
-  versions, the greedy tokens, the base checkpoint the adapter was trained on, and the fingerprint of the family
-  definitions it was trained under).
-- `base` (`base-checkpoints/<arch>/`): a set saves its quantized base (`save_pretrained`, one name per
-  quantization and sharding) under `<set slug>/<name>/`: `checkpoint/`, `outputs.safetensors` (the logits the
-  saved model gave) and `export.json` (versions, fingerprint, the bf16 checkpoint it was quantized from, what the
-  set counted of it). A set that cannot build the architecture at all leaves `export.json` with the reason
-  instead (`refuse`), so the sets after it can tell "never written" from "could not be written".
+The runner names the baseline (`--stackcheck-baseline`); the folders lie beside the run's matrix.json
+(`trained-adapters/<arch>/`, `base-checkpoints/<arch>/`). What each holds: docs/internals.md, "child/exchange.py".
 """
 
 from __future__ import annotations

@@ -92,8 +92,7 @@ class Recorder:
 
     def _start(self, nodeids: list[str]) -> None:
         if self.started:  # under xdist every worker reports the same collection: the first one starts the run
-            # (building every worker's placeholders anyway held the first tests back: 12 workers of 1243 cells,
-            # 3.3 s of the controller before, 0.95 s after, on this project's machine)
+            # (building every worker's placeholders anyway held the first tests back: docs/speed.md, session 18)
             return
         cells = [self._lost(nodeid, family) for nodeid in nodeids if (family := family_of(nodeid))] + self.unimportable
         if not cells:

@@ -1,36 +1,9 @@
 """The order a parallel run (pytest-xdist) hands its tests out in: longest first, from the seconds a run measured.
 
-With `--dist load --maxschedchunk 1` (what `stackcheck tests` and `matrix` pass by default,
-stackcheck.runner.lane.parallel_options) each worker holds at most two tests and takes the next of the collection when it
-is done, so a collection sorted longest-first is the classic longest-processing-time schedule: the long cells
-(distributed jobs, training loops, the harness's end-to-end runs) start at once on every worker, and the short ones
-fill the gaps at the end instead of a long cell starting last and running alone. (A costly fixture that several
-tests share is shared on disk across the workers instead, as `test_bench_harness`'s smoke run is.)
-
-With warm rank pools (stackcheck.distributed.pool) the runs pass `--dist loadgroup --no-loadscope-reorder` instead:
-the cells that can share a pool carry its `xdist_group` (stackcheck.distributed.cells.pool_group), and all of a
-group go to one worker, whose pool then starts once. pytest-xdist 3.8 marks a group by rewriting `item._nodeid`,
-which pytest 9 no longer reads (pytest-dev/pytest-xdist#1386), so its own `loadgroup` hands them out one by one:
-here the scheduler (`pytest_xdist_make_scheduler`) is xdist's LoadGroupScheduling, whose groups come from the
-marks each worker saw at collection (written to a folder the controller names in each worker's input). The
-order stays longest first: a group where its cells' seconds added up would put it, its cells longest first
-within it, the other tests one by one as under `load`.
-
-The seconds come from DURATIONS_FILE, written by a run with `--stackcheck-record-durations=PATH` (setup, call and
-teardown of each test, from every worker), and GPU_DURATIONS_FILE, the GPU lane's cells' seconds from a GPU run's
-results (`python -m stackcheck.child.schedule --from-results matrix.json --write tests/durations-gpu.json`; the lane is in
-every cell's id, so the two never name the same test); `--stackcheck-durations` names other files. A test the file
-does not know (new since the file was written) is expected to take what the known tests of its function take on
-average, else its module's, else nothing; a stale file only costs balance, never a verdict: the order of tests is
-all it changes. Without xdist nothing changes.
-
-The same recording says what the tests cost the host's CPU: each test's CPU seconds (its process's and those of the
-children it waited for: a fresh process, a launch), and the host's busy core-seconds over the run (Linux's
-/proc/stat, every process on the host: rank pools and their ranks too). `python -m stackcheck.child.schedule PATH` then
-prints the CPU floor beside the time floor: no run on N cores ends before its busy core-seconds shared out over them.
-On a GPU host the CPU is what binds (docs/speed.md, session 16).
-
-This module is a pytest plugin (pyproject's addopts).
+Long cells start at once on every worker and short ones fill the gaps at the end; with warm rank pools, the cells
+that share a pool go to one worker as an xdist group. A stale durations file only costs balance, never a verdict.
+`python -m stackcheck.child.schedule PATH` says where a recorded run's time and CPU went. A pytest plugin
+(pyproject's addopts). How it works: docs/internals.md, "child/schedule.py"; how to measure: docs/speed.md.
 """
 
 from __future__ import annotations
@@ -168,7 +141,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         scratch.replace(folder / f"{config.workerinput['workerid']}.json")
 
 
-# --dist loadgroup, with the groups kept (see the module's docstring).
+# --dist loadgroup, with the groups kept (docs/internals.md, "child/schedule.py").
 GROUP_MARK = "xdist_group"
 GROUPS_KEY = "stackcheck_groups"  # the folder each worker writes its {nodeid: group} into, in its workerinput
 GROUPS_FOLDER = pytest.StashKey[Path]()  # that folder, on the controller's config

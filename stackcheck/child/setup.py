@@ -65,7 +65,7 @@ def pytest_configure_node(node) -> None:
     workers = getattr(node.config.option, "numprocesses", None)
     if "OMP_NUM_THREADS" not in os.environ and isinstance(workers, int) and workers > 1:
         # Each worker's share of the cores: with torch's default (every core) N workers spin against each
-        # other. gpu-matrix on the H100 host's 16 cores, -n 8: 144 s per set by default, 58 s with 2 threads each.
+        # other (measured on the H100 host: docs/history-runs.md, "gpu-matrix on the H100").
         node.workerinput[WORKER_THREADS_KEY] = max(1, (os.cpu_count() or 1) // workers)
 
 
@@ -81,8 +81,8 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["OMP_NUM_THREADS"] = str(workerinput[WORKER_THREADS_KEY])  # for what the worker starts
         torch.set_num_threads(workerinput[WORKER_THREADS_KEY])
         # inductor (transformers compiles the forward of a static cache's generate on CUDA) otherwise starts a pool of
-        # one process per core in every worker that compiles: on one H100's 16 cores the GPU lane of cached_decoding,
-        # device_memory, qlora_step and lora_gradients took 72.1 s with the pools and 64.3 s compiling in the worker.
+        # one process per core in every worker that compiles, slower on a host many workers share (docs/speed.md,
+        # session 16, "inductor compiles in the worker").
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(workerinput[WORKER_THREADS_KEY]))
     if int(workerinput.get("workercount", 1)) > 1:
         gpu_wait.for_a_shared_host()  # its GPUs' waits asleep, for the worker and what it starts (stackcheck.process.gpu_wait)

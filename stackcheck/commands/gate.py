@@ -1,11 +1,9 @@
 """`stackcheck gate`: run a baseline set and a candidate set (say, the baseline with one library bumped)
 through the same families; fail on a regression, pass on improvements alone.
 
-The comparison is pure: `compare(baseline, candidate)` takes two results dicts (matrix.json data of one
-set each) and returns findings, one list per check in CHECKS. With `--bench SIZE` each dict also carries
-the set's bench JSON under "bench", and `bench_ratios` fails tokens/s and VRAM ratios past
-`bench_compare.THRESHOLDS` (on a GPU the graph-replayed decode or the realistic prefill below 0.90 of
-the baseline, on a CPU eager decode or prefill below 0.90; VRAM above 1.10).
+The comparison is pure: `compare(baseline, candidate)` takes two sets' results and returns findings, one list per
+check in CHECKS; with `--bench SIZE`, `bench_ratios` also fails tokens/s and VRAM ratios past
+`bench_compare.THRESHOLDS` (the thresholds: docs/internals.md, "commands/gate.py"; docs/running.md, "Gate an upgrade").
 """
 
 from __future__ import annotations

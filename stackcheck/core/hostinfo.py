@@ -49,7 +49,8 @@ def _bnb_cpu_packed_path() -> str:
 
 # Beside a stackcheck environment (<repo>/.stackcheck/<folder>/<env>, which never changes once built): the packed-path
 # fact of each (bitsandbytes release, CPU) it ran on, so that a process that never loads a 4-bit model (a harness
-# test's pytest run, an xdist controller) need not import bitsandbytes for it (4 to 6 s of CPU on 2 cores).
+# test's pytest run, an xdist controller) need not import bitsandbytes for it (seconds of CPU: docs/speed.md,
+# "Numbers behind constants").
 PACKED_PATH_FILE = "stackcheck-bnb-cpu-packed-path.json"
 
 

@@ -1,13 +1,9 @@
 """The pytest side of the distributed lane: a family test's `ranks` fixture (stackcheck.child.plugin) launches its job
 through `Ranks`, and `WORLD_SIZES` parametrizes it.
 
-A cell's CPU variant (two gloo ranks) is one of three kinds:
-- it runs in the CPU lane (CI), where it reproduces something the GPU lane does not show, or is the lane's only proof;
-- `cpu_costly=REASON`: it runs on the CPU, but CI's 2 cores (about 30 s a job) would pay for nothing the GPU lane does
-  not show: a visible skip by default, run with STACKCHECK_DIST_CPU=all (`STACKCHECK_DIST_CPU=all pytest
-  tests/contract/distributed --stackcheck-lanes=cpu` proves the families' code on a machine without GPUs);
-- `gpu_only=REASON`: it cannot run on the CPU (bitsandbytes' CUDA optimizers, the Trainer's FSDP, which accelerate
-  makes DDP on a CPU host): a visible skip.
+A cell's CPU variant (two gloo ranks) runs in the CPU lane, or is a visible skip: `cpu_costly=REASON` (CI's 2 cores
+would pay for nothing the GPU lane does not show; STACKCHECK_DIST_CPU=all runs it) or `gpu_only=REASON` (it cannot
+run on the CPU). The three kinds: docs/internals.md, "distributed/cells.py".
 """
 
 from __future__ import annotations
@@ -31,7 +27,8 @@ POOL_GROUP = pytest.StashKey[str]()  # the warm pool group its cells share (pool
 # runs CPU_WORLD_SIZE ranks over gloo, and reads world size 1 as skipped.
 CPU_WORLD_SIZE = 2
 WORLD_SIZES = pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.gpus(2))], ids=["ws1", "ws2"])
-# A job of the tiny models takes 25 s on 2 shared cores (two ranks of 12 s each); a rank that takes this long hangs.
+# Several times a tiny job's time on 2 shared cores (docs/speed.md, "Numbers behind constants"): a rank that takes this
+# long hangs.
 DEFAULT_TIMEOUT = 180.0
 # STACKCHECK_DIST_CPU=all: the CPU lane also runs the cells left out of the default run for their cost.
 CPU_SELECTION_ENV = DIST_CPU_ENV
@@ -89,7 +86,7 @@ class Ranks:
         """Run `target` (MODULE:FUNCTION of the test's module, called with `kwargs` on every rank); raise
         RanksFailed unless every rank passed. Returns the outcomes (with what each rank's function returned).
         `gpu_only`: why the cell has no gloo variant; `cpu_costly`: why its gloo variant is left out of the default
-        CPU lane (both visible skips: see the module's docstring). `engine_options`: keys of the engine's accelerate
+        CPU lane (both visible skips: docs/internals.md, "distributed/cells.py"). `engine_options`: keys of the engine's accelerate
         config changed for this cell (`fsdp_config` entries by their name), as a user edits the file."""
         if self.lane == "cpu" and world_size != CPU_WORLD_SIZE:
             pytest.skip(f"CPU lane: the gloo variant runs {CPU_WORLD_SIZE} ranks")

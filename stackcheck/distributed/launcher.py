@@ -1,16 +1,10 @@
 """The launcher: starts a job as a user starts it, waits for it with a timeout, and reaps every process.
 
-`accelerate launch --config_file fixtures/distributed/<engine>.yaml` (or `torchrun` where no engine is named),
-each rank running `python -m stackcheck.distributed.rank MODULE:FUNCTION OUTDIR`. The job runs in a session of
-its own, and torch's agent starts each rank in another one (which the rank records): killing those groups
-reaches the launcher, its agent, every rank and whatever they started. When the
-timeout runs out, every rank without an outcome is hung: it is asked for its Python stacks (SIGUSR1, which each
-rank's faulthandler writes to its own file), then the whole group is killed.
-
-The launcher does not wait for torch's agent to notice the end: once every rank has written its outcome, or one
-rank failed or died and the others have not written theirs within TEARDOWN_GRACE_SECONDS, the job is reaped (those
-others are `stopped`, as the agent's teardown would leave them). Measured on two H200s: a two-rank cell whose ranks
-both fail at `prepare` took 48 to 55 s waiting for the agent, against 20 to 28 s for one that passes.
+`accelerate launch --config_file fixtures/distributed/<engine>.yaml` (or `torchrun`), each rank running
+`python -m stackcheck.distributed.rank`, in a session of its own. A hung rank is asked for its stacks, then the
+group is killed; once every rank has an outcome, or one failed and the others did not follow within
+TEARDOWN_GRACE_SECONDS, the job is reaped without waiting for torch's agent. Details: docs/internals.md,
+"distributed/launcher.py"; the wait it cuts: docs/distributed-two-gpu.md.
 """
 
 from __future__ import annotations

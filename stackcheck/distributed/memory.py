@@ -1,17 +1,9 @@
 """What a rank holds at rest against the arithmetic, for the distributed families and the bench's distributed case.
 
-A QLoRA model's parameters fall in parts (`weight_parts`): the 4-bit weights (their packed storage), their quant
-states (absmax and the nested state: attributes of the weights, not parameters), the other frozen parameters
-(embeddings, with a tied lm_head once, and norms) and the LoRA weights. Two arithmetics of what a rank of a job of
-`world_size` ranks should hold:
-- **the user's** (`users_arithmetic`): every parameter is sharded, since the engine was told to shard the whole model
-  (FSDP wraps every decoder layer and the root; ZeRO-3 partitions every parameter), so each part's bytes / world size.
-  The quant states stay whole: no engine can shard what is not a parameter, and the user's arithmetic knows it.
-- **the engine's** (`expected_on_rank` with the names the engine really sharded, read from the prepared model): the
-  bench reports it beside the user's, to say where the difference comes from.
-What the rank holds (`held_by_part`) is read from the prepared model's parameters: a DTensor's local shard (FSDP2), a
-ZeRO-3 parameter's partition (`ds_tensor`), an FSDP1 parameter's view of the rank's shard of its flat parameter
-(`use_orig_params`), else the whole tensor. Shards are padded to divide evenly: a few elements per tensor.
+A QLoRA model's parameters fall in parts (`weight_parts`); two arithmetics say what a rank should hold, the user's
+(`users_arithmetic`: every parameter sharded) and the engine's (`expected_on_rank`: what it really sharded), and
+`held_by_part` reads what it holds from the prepared model. The parts and the rules: docs/internals.md,
+"distributed/memory.py".
 """
 
 from __future__ import annotations

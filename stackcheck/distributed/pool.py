@@ -1,35 +1,10 @@
 """A warm rank pool (STACKCHECK_RANK_POOL=1; `matrix` and `gpu-matrix` turn it on): start a job's ranks once, run
 many cells on them.
 
-A two-rank cell costs 20 to 100 s, nearly all of it start-up (two interpreters importing torch, transformers, peft
-and DeepSpeed, `accelerate launch`, the process group) and teardown; the tiny models' work takes milliseconds. A
-pool is one job, launched exactly as `launcher` launches a cell's (`accelerate launch --config_file` with the
-engine's file, or torchrun; the same supervisor on every rank), whose workers run `python -m
-stackcheck.distributed.rank --pool FOLDER`: each takes the pool's cells in turn from FOLDER/job-K.json and runs
-each as a cell's worker runs its function (the cell's call.json, rank-N.json, .pid, .log and .stacks files in the
-cell's own folder, the same outcomes and Failure signatures). Between cells the ranks keep their imported modules and
-their process group, and reset what a cell leaves behind (rank.leave_the_cell).
-
-One pool per key: everything that makes two launches differ (the interpreter, the engine, the world size, the lane,
-the whole environment the job inherits, which names the visible devices and a guard's PYTHONPATH, and the engine's
-changed options where they change more than the ranks' environment). Options that `accelerate launch` only turns into
-the ranks' variables (an FSDP state dict type, RAM-efficient loading, ZeRO-3's init flag: read when the cell builds
-its Accelerator and loads its model) run on the engine's own pool, the rank setting them for that cell
-(launcher.options_environment): on one H100 a set's pools fell from 23 (29 ranks, 469 CPU-seconds) to 11 (16 ranks,
-327), every verdict the same (docs/speed.md, session 18). A cell whose every rank raised on its own (a known bug often
-does: both ranks hit the same line) keeps its pool once each rank has reset and a tiny collective found the process
-group whole (rank.fence). Any other cell that does not pass (a rank died, hung, or was stopped while another failed:
-every outcome exactly as `launcher` gives it, stacks included) tears its pool down, and the next cell of that key
-starts a fresh one; so does a pool whose job ended. At most MAX_POOLS stay warm in a process (the oldest goes first),
-and every pool is torn down when the process exits; a pool whose owner died (a crashed or interrupted pytest) ends
-itself within a second.
-
-The matrix commands run their pytest children with pools on unless STACKCHECK_RANK_POOL=0 (the same switch puts
-trainer_resume's resumes on a warm process: stackcheck.process.resume); plain pytest and the
-harness's tests (`stackcheck tests`, CI) keep one launch per cell unless STACKCHECK_RANK_POOL=1. A warm rank is not
-a fresh one: see docs/speed.md, "A warm rank pool", for what it cuts, what it measured, and what it still misses.
-Under xdist every worker has its own pools, so the cells that share a pool's `group` (engine, world size, lane) carry
-that xdist group (stackcheck.distributed.cells.pool_group) and run on one worker (stackcheck.child.schedule).
+A two-rank cell's cost is nearly all start-up and teardown, so a pool is one job, launched exactly as `launcher`
+launches a cell's, whose ranks run many cells in turn with the same files, outcomes and signatures, resetting what a
+cell leaves between cells. One pool per key; a cell that does not pass tears its pool down. How it works:
+docs/internals.md, "distributed/pool.py"; what it cuts and misses: docs/speed.md, "A warm rank pool".
 """
 
 from __future__ import annotations

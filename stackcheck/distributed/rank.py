@@ -1,22 +1,9 @@
 """The rank side: what `accelerate launch` (or torchrun) starts on every rank, and the helpers a rank's function uses.
 
-    python -m stackcheck.distributed.rank MODULE:FUNCTION OUTDIR
-
-runs as a small supervisor under the launcher, with the launcher's environment (RANK, WORLD_SIZE, ...). It starts
-the worker, the same command with --worker, its output to OUTDIR/rank-N.log, and waits for it: a worker that
-leaves no outcome (a segfault, a kill, an exit from inside a library) gets one built from its exit status and the
-tail of its output; one that the launcher ends (after another rank failed) is `stopped`. The worker calls
-FUNCTION(**OUTDIR/call.json) and writes OUTDIR/rank-N.json: passed (with what the function returned), or the
-ledger's `Failure` of the exception, with not_reached for a ScenarioNotReached. NCCL and gloo errors are
-exceptions like others: their message goes into the signature. The worker writes its pid for the launcher, and
-dumps every thread's Python stack to OUTDIR/rank-N.stacks on SIGUSR1 (the launcher's timeout) or a fatal signal.
-
-    python -m stackcheck.distributed.rank --pool FOLDER
-
-is a warm pool's rank (stackcheck.distributed.pool): the same supervisor, whose worker runs the cells the launcher
-hands over as FOLDER/job-K.json in turn, each with the files above in the cell's own folder.
-
-Nothing here imports torch until a rank's function asks for it: the supervisor is the standard library only.
+`python -m stackcheck.distributed.rank MODULE:FUNCTION OUTDIR` is a small supervisor (the standard library only)
+that starts the worker, which calls FUNCTION(**OUTDIR/call.json) and writes OUTDIR/rank-N.json; a worker that leaves
+no outcome gets one from its exit status and output. `--pool FOLDER` is a warm pool's rank (stackcheck.distributed.pool).
+The files, signals and outcomes: docs/internals.md, "distributed/rank.py".
 """
 
 from __future__ import annotations

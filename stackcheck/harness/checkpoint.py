@@ -1,16 +1,9 @@
 """Checkpoint: a QLoRA run through transformers' Trainer that saves checkpoints, what it did at each step, and its
-resumption from a checkpoint in another process (`resume_in_fresh_process`, which runs this module as a program with
-the interpreter running the tests, the set's python; or hands the call to a warm resume process,
-stackcheck.process.resume). Where that process raises, it writes the ledger's Failure of its exception, and the
-ResumeFailed it ends in carries it: the cell is judged by what raised there (a library's exception, message and
-frame), as a failure in the test's own process is.
-
-Both processes build the same run (`qlora_trainer`): the 4-bit base, PEFT's QLoRA recipe with LoRA dropout (so the
-RNG state a checkpoint restores matters), a dataset of distinct samples the Trainer shuffles (so the batches a resume
-skips matter), the linear learning-rate schedule (so the scheduler's state matters), and a `Recorder` that copies
-what a resume must restore: the step it began at, the adapter and optimizer state it began with, the loss of every
-step (full precision: the Trainer's own log rounds it), the adapter after every step, the optimizer state at the end.
-Free of pytest fixtures (the distributed contract reuses it)."""
+resumption from a checkpoint in another process (`resume_in_fresh_process`, or a warm resume process,
+stackcheck.process.resume); a failure there is judged by what raised there. Both processes build the same run
+(`qlora_trainer`), whose `Recorder` copies what a resume must restore. Free of pytest fixtures (the distributed
+contract reuses it). The run and what it records: docs/internals.md, "harness/checkpoint.py".
+"""
 
 from __future__ import annotations
 

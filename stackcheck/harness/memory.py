@@ -2,11 +2,10 @@
 arithmetic of a 4-bit layer, and readings taken once unreachable garbage is collected. The building blocks of
 the memory contract (tests/contract/train/test_device_memory.py).
 
-Why exact bytes can be predicted: `torch.cuda.memory_allocated` sums the blocks live tensors occupy, each
-allocation rounded up to the allocator's 512-byte block (`kMinBlockSize`: one block at least, then whole blocks);
-freed blocks leave the count at once, cached or not. So what a model holds on the GPU is the sum of its distinct
-storages, each rounded up to a block (`allocator_bytes`), and a 4-bit layer's share follows from its shape alone
-(`nf4_allocations`)."""
+Exact bytes can be predicted: `torch.cuda.memory_allocated` rounds each allocation up to 512-byte blocks, so a model
+holds the sum of its distinct storages so rounded (`allocator_bytes`), and a 4-bit layer's share follows from its
+shape (`nf4_allocations`). Why: docs/internals.md, "harness/memory.py".
+"""
 
 from __future__ import annotations
 

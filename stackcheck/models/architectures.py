@@ -1,16 +1,9 @@
 """The architectures the families run on, and the one rule that shrinks a `config.json` to a tiny model of the
 same structure.
 
-Built in: every `fixtures/architectures/<name>.json`, a full-size config written from the model's published
-`config.json` (each cites its source), shrunk by `shrink`; and `gemma4`, the seed's tiny Gemma 4
-(`fixtures/tiny_gemma4.json`), kept as written so that the verdicts measured on it stay what they were
-(`shrink` of `fixtures/gemma4-*/config.json` gives a model of the same module classes: tests/harness).
-A user's own `config.json` is shrunk by the same rule. Adding an architecture is one config file.
-
-What decides code paths is kept: the model class, the layer-type pattern (one period of it), grouped KV heads,
-tied embeddings, fused projections (the class decides them), more experts than `top_k`, KV sharing, towers,
-rope scaling. Only sizes shrink. Widths are multiples of 64, so bitsandbytes' packed CPU path (which rejects
-widths that are not multiples of 32 or of its 64 blocksize) is reached or not for the same reason everywhere.
+Built in: every `fixtures/architectures/<name>.json` (a full-size published config, shrunk by `shrink`) and `gemma4`,
+the seed's tiny Gemma 4, kept as written. What decides code paths is kept; only sizes shrink. Adding an architecture
+is one config file. What is kept and why: docs/internals.md, "models/architectures.py".
 """
 
 from __future__ import annotations
@@ -214,7 +207,7 @@ def _refuse_unknown_sizes(config: dict, known: dict, where: str) -> None:
 
 
 def shrink(config: dict, where: str = "config") -> dict:
-    """A full-size `config.json` -> the config of a tiny model of the same structure (see the module docstring)."""
+    """A full-size `config.json` -> the config of a tiny model of the same structure (the rule: docs/internals.md, "models/architectures.py")."""
     if not isinstance(config.get("model_type"), str):
         raise ArchitectureError(f"{where}: no model_type: not a transformers config.json")
     tiny = {key: value for key, value in config.items() if not key.startswith("_")}

@@ -1,14 +1,9 @@
 """What a 4-bit model should weigh, and which of its weights bitsandbytes leaves in 16 bits.
 
 One home for the NF4 arithmetic (the bench's weight sizes, the quantized_experts family and scan's footprint
-prediction all use it) and for the rule of which weights stay unquantized by design: embeddings, the head, MoE
-routers, convolutions (bitsandbytes has no 4-bit convolution), the modules the quantizer is told not to
-convert (the user's `llm_int8_skip_modules` and transformers' defaults), and a raw parameter a module multiplies by
-itself (Gemma 3's `multi_modal_projector.mm_input_projection_weight`): transformers' `replace_with_bnb_linear`
-documents that it replaces "all `torch.nn.Linear` modules" (and GPT-2's Conv1D), nothing else. Any other
-weight of two or more dimensions is a weight the user asked to have in 4-bit. A mixture of experts that transformers
-5 fuses into 3-D parameters is the case that breaks the plan: bitsandbytes replaces `nn.Linear` only
-(bitsandbytes#1849), so the experts, most of the weights, stay in bf16.
+prediction all use it) and for the rule of which weights stay unquantized by design; a mixture of experts whose
+experts transformers 5 fuses into 3-D parameters stays in bf16 (bitsandbytes#1849). The rule, weight by weight:
+docs/internals.md, "models/footprint.py".
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The CUDA driver (libcuda), reached through ctypes without importing torch: the devices a process of this host
-sees, in the order and under the names torch gives them.
+sees, in the order and under the names torch gives them (torch counts and names them through this driver).
 
-torch's CUDA runtime counts and names its devices through this driver, under CUDA_VISIBLE_DEVICES, so its count and
-`torch.cuda.get_device_name(0)` are what `device_names()` returns. A process that only needs those (the command
-naming its GPU, pytest's controller handing each worker its list) need not import torch for them: the host's torch
-costs the command 4.1 s before anything else starts on a fresh H100 machine (its image keeps no bytecode for it), the
-driver about 0.1 s. `cuInit` creates no context: nothing here holds GPU memory or changes how a later process uses it.
+A process that only needs those (the command naming its GPU, pytest's controller handing each worker its list) need
+not import torch for them, which costs seconds on a fresh GPU machine (docs/speed.md, session 19). `cuInit` creates
+no context: nothing here holds GPU memory or changes how a later process uses it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """How a process of a run waits for its GPU: asleep, not spinning a core.
 
-CUDA's default, for a process with one context on a host with more cores than contexts, is to spin: a thread that
-waits for the GPU (a synchronize, a copy to the host, an allocator's event) keeps its core busy until the GPU is done.
-`gpu-matrix` runs one xdist worker per core, and their ranks and fresh processes, all waiting on one or two GPUs: the
-cores they spin on are taken from the others, and on one H100 the run is bound by the CPU (docs/speed.md).
-
-So where several workers share a host's cores (pytest-xdist with more than one worker), each worker sets its devices'
-primary contexts to block (CU_CTX_SCHED_BLOCKING_SYNC) before anything in it creates them, and says so in
-`WAIT_VARIABLE` for what it starts: a rank and the trainer_resume family's fresh process call `follow_the_worker`.
-Only how the waiting thread waits changes: the kernels, streams, allocator and every value read are the same. On one
-H100 (latest): a thread that synchronizes after each of 20 kernels of 25 ms spent 0.51 CPU-seconds spinning, 0.01
-blocking; the GPU lane of seven one-process families (352 cells, 16 workers) cost its workers 463 CPU-seconds spinning
-and 373 blocking; every family, both lanes (2631 cells), gave the same verdicts blocking as spinning (docs/speed.md,
-session 17).
-
-`STACKCHECK_GPU_WAIT=spin` keeps CUDA's default. A host without the CUDA driver, or without a visible device, is
-left as it is.
+CUDA spins a core while a thread waits for the GPU, and `gpu-matrix`'s many workers and ranks share a host's cores,
+so where several xdist workers share them each sets its devices' primary contexts to block
+(CU_CTX_SCHED_BLOCKING_SYNC) before it creates them, and what it starts follows (`follow_the_worker`). Only how the
+thread waits changes. `STACKCHECK_GPU_WAIT=spin` keeps CUDA's default. Why and what it measured: docs/internals.md,
+"process/gpu_wait.py"; docs/speed.md, session 17.
 """
 
 from __future__ import annotations

@@ -1,33 +1,11 @@
 """What a cell leaves in its process that the next cell must not see: the libraries' process-wide state.
 
-A user's script starts with none of it; a pytest worker or a warm rank runs many cells in one process. accelerate keeps
-its AcceleratorState, PartialState and GradientState as class-wide shared dicts: the first `Accelerator` of a process
-fixes the device type, and a later one that asks for another raises (`AcceleratorState has already been initialized
-and cannot be changed, restart your runtime completely and pass cpu=True to Accelerator()`). Measured on a GPU host,
-where one worker runs GPU-lane and CPU-lane cells: every CPU-lane GRPO cell that followed a GPU-lane Trainer read that
-error as a new failure. transformers keeps a weak reference to the HfDeepSpeedConfig of the last DeepSpeed run.
-
-DeepSpeed's ZeRO-3 pushes each engine's model onto a module-level stack (`parameter_offload.FWD_MODULE_STACK`) and
-never pops it: a later cell's engine would search every earlier cell's model for its external parameters (by `id`,
-which Python reuses). On this machine the stack was the first holder found of a warm ZeRO-3 rank's earlier engines;
-emptied, they still lived on (held from outside Python's view, autograd hooks most likely), which
-`release_deepspeed_engines` deals with.
-
-torch's dynamo keeps what it compiled per code object for the life of the process, and every model's forward goes
-through one shared frame (transformers' `utils/generic.py` output-capturing `wrapper`), so the second model a process
-compiles (generate's static cache compiles the decode step on a GPU) is a recompile of that frame, not the first
-compile a user's process does; past dynamo's recompile limit (8) a later model would decode uncompiled. Measured on one
-H100 (latest, 2026-11-27, three runs): each of the four cached_decoding static bf16 cells that followed another on its
-worker took 35 to 70 s, 22 to 49 CPU-seconds of it in child processes (inductor's C++ toolchain: cc1plus, a
-`cdll.LoadLibrary` check per vector ISA), against 6 to 20 s and about 1 CPU-second in children for the cells that came
-first (multimodal Gemma 3's, which compiles twice, 46 to 60 s). On the CPU (compile forced, Qwen3 then Llama 3), the
-second model's compile is dynamo's frame 0/1, a recompile, without a reset, and 0/0 with one.
-
-`reset_libraries` puts them back as a fresh process has them (the next `Accelerator` builds its state again from the
-environment, and finds a process group that is already up, as a second `Accelerator` of a user's script does). It is
-called after every test (stackcheck.child.gc_freeze) and between a warm rank's cells (stackcheck.distributed.rank); it
-imports nothing a cell did not import. `leave_the_cell` does that and more, between the cells of a warm process (a rank
-pool's rank, the warm resume process of stackcheck.process.resume)."""
+A user's script starts with none of it; a pytest worker or a warm rank runs many cells in one process. accelerate's
+shared states, transformers' DeepSpeed config, DeepSpeed's ZeRO-3 module stack and dynamo's compiled frames are
+put back as a fresh process has them: `reset_libraries` after every test (stackcheck.child.gc_freeze) and between a
+warm rank's cells, `leave_the_cell` (more) between the cells of a warm process. Why each: docs/internals.md,
+"process/isolation.py"; what a recompile cost: docs/speed.md.
+"""
 
 from __future__ import annotations
 

@@ -2,26 +2,10 @@
 turn (with the warm rank pools: the matrix commands turn both on, STACKCHECK_RANK_POOL=0 turns both off; plain pytest
 and the harness's tests start a new process for every resume, stackcheck.harness.checkpoint).
 
-What the family needs of that process is that it is not the one that trained: it holds nothing of the run but what the
-checkpoint holds. A warm process never trained either: it starts as the per-cell process starts (the same
-interpreter, `python -m`, the same environment and working folder, waiting on the GPU as its worker does), imports the
-libraries once, and for each cell builds the run from the cell's call file and resumes it (checkpoint.resume_from_call,
-the code the per-cell process runs). Between two cells it resets what a cell leaves in a process
-(isolation.leave_the_cell: accelerate's, dynamo's and DeepSpeed's process-wide state, the environment, the working
-folder, the default dtype, garbage and the CUDA cache); the Trainer seeds the RNGs when it is built and a resume then loads the checkpoint's RNG states,
-so no cell's RNG depends on the cells before it. A cell that raises there ends the process (its Failure is written
-first, as the per-cell process writes it), and so does one that outlives the timeout (killed); the next cell of that
-worker starts a new one. The guard (tests/harness/test_resume_process.py) resumes one checkpoint in a per-cell process
-and twice in a warm one, after another architecture's resume: the three Records are equal, bit for bit.
-
-The cost it cuts: a per-cell process paid its imports, CUDA's start and the first kernels again, about 12 CPU-seconds on
-an H100 host for two training steps of a tiny model (docs/speed.md). Under xdist each worker has its own warm
-process, so the cells that may share one carry an xdist group (`groups`), a few cells each: one worker takes a group's
-cells in turn and starts the process once.
-
-The parent talks to the process over two pipes (a call file's path in, "ok" or "failed" out); the process's output
-goes to a log whose part for a cell is that cell's output. A process whose owner died reads the end of its pipe and
-exits."""
+It starts as the per-cell process starts and never trained, resets what a cell leaves between cells, and ends on a
+cell that raises or times out. How it works and what proves it equal to a fresh process: docs/internals.md,
+"process/resume.py"; what it cuts: docs/speed.md.
+"""
 
 from __future__ import annotations
 
@@ -40,7 +24,7 @@ from stackcheck import REPO_ROOT
 from stackcheck.process.warm import enabled as warm_enabled, lasting_environment
 
 # The cells of one lane that share an xdist group (so one warm process): few enough that a group's cells, in turn on
-# one worker, stay shorter than the run (on one H100 a GPU cell takes 13 to 25 s with a per-cell process).
+# one worker, stay shorter than the run (a GPU cell's seconds: docs/speed.md, "Numbers behind constants").
 CELLS_PER_GROUP = 5
 MARK = "resume_process"  # a test that resumes through `resume` (its cells get a `group`)
 OK, FAILED = "ok", "failed"

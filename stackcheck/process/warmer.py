@@ -1,24 +1,8 @@
 """The bytecode warmer: one process that imports a set's libraries into the bytecode cache (envs.PYCACHE_DIR) while
 a pytest run of many xdist workers starts, so that they read what it compiled instead of each compiling the same
-modules at once (on a fresh machine, or a set's first run, the cache is empty). Both sides of the process boundary
-use it: the command starts the warmer beside pytest (`start`, `stop`); each worker, before it imports torch, waits
-until the warmer has written torch's bytecode (`wait_for_torch`), which is the first and largest thing a worker
-imports. Only the cache changes: a library the warmer cannot import is skipped, and what it has not reached yet a
-worker compiles as before.
-
-What was measured on fresh H100 machines (16 workers, latest, the cache emptied before each run; docs/speed.md,
-session 19), each worker's start-up and collection:
-- nothing warmed: 16.8 to 18.0 CPU-seconds (20.2 s from pytest's start until the last had collected); where pytest's
-  controller itself had imported torch before starting its workers (until this session): 10.2 to 11.6;
-- the warmer beside the workers, nobody waiting: 13.1 to 14.8 (17.0 s), the warmer 26 CPU-seconds;
-- on a slower machine, each variant twice: torch warmed before pytest started, 15.3 and 16.0 (medians), the last
-  worker collected 27.8 and 29.1 s after the command's start; the warmer beside them, 21.2 and 20.6 (32.1, 32.2 s);
-  nothing warmed, 23.3 and 23.2 (35.0, 35.1 s). torch first is what pays;
-- on another, each twice: the workers waiting here, 14.4 and 18.1 (the last collected 21.1 and 29.2 s after the
-  command's start); torch warmed before pytest started, 11.6 and 15.0 (21.1, 29.7 s); nothing warmed, 20.0 and 20.8
-  (28.8, 31.2 s). Waiting in the workers is as fast, and the command and pytest's controller do not wait.
-Compiling the whole site-packages before pytest instead (session 18: about 110 CPU-seconds, 11.5 to 15.1 s before
-pytest started) started the first test later.
+modules at once. The command starts it beside pytest (`start`, `stop`); each worker, before it imports torch, waits
+until the warmer has written torch's bytecode (`wait_for_torch`). Only the cache changes: what the warmer cannot
+import or has not reached yet, a worker compiles as before. What each variant measured: docs/speed.md, session 19.
 """
 
 from __future__ import annotations
@@ -40,7 +24,7 @@ FIRST = "torch"
 # From how many xdist workers starting at once a run warms the cache beside them (2 cores: a third process would
 # compete with the two).
 FROM_WORKERS = 4
-# The longest a worker waits for the warmer's torch: a cold import of it takes 4 to 6 s on the H100 hosts.
+# The longest a worker waits for the warmer's torch: many times a cold import of it (docs/speed.md, "Numbers behind constants").
 WAIT_SECONDS = 60.0
 POLL_SECONDS = 0.05
 

@@ -38,8 +38,8 @@ LOCAL_WHEEL_DIRS = [d for d in os.environ.get(protocol.WHEEL_DIRS_ENV, "/opt/whe
 # Where the set's processes keep the bytecode of what they import (PYTHONPYCACHEPREFIX): the pytest runs, their xdist
 # workers, ranks and fresh processes. Where the environment says PYTHONDONTWRITEBYTECODE=1 (this project's machines
 # and the GPU image do), Python reads .pyc files but never writes them, and every interpreter compiled torch,
-# transformers and DeepSpeed from source again (about 3600 modules: 10.7 s against 4.2 s to import them; the GPU
-# image's torch has no .pyc at all). Here the first process compiles and writes, every later one reads; nothing is
+# transformers and DeepSpeed from source again (the cost: docs/speed.md, session 15; the GPU image's torch has no .pyc
+# at all). Here the first process compiles and writes, every later one reads; nothing is
 # written beside anyone's sources. A prefix the user set is kept.
 PYCACHE_DIR = REPO_ROOT / ".stackcheck" / "pycache"
 
@@ -202,7 +202,7 @@ def _build(vset: VersionSet, find_links, no_index: bool, groups: tuple[str, ...]
     resolved = resolved_wheels(vset, find_links) if inherit and no_index and uv else None
     if resolved:
         # The wheelhouse resolved this set for this host (its torch, its other packages): install exactly
-        # those wheels, uv's seconds instead of pip resolving again over the inherited packages (25 to 35 s).
+        # those wheels, uv's seconds instead of pip resolving again over the inherited packages (docs/history-runs.md).
         _run([sys.executable, "-m", "venv", "--without-pip", str(env)])
         inherit_host_site_packages(python)
         _run([uv, "pip", "install", "--quiet", "--no-deps", "--offline", "--python", str(python), *map(str, resolved)], log=log)

@@ -1,15 +1,7 @@
 """The rules every command applies to what it is given, in one place, so that a wrong input is one line and exit
-code 2 whichever option or command it reaches (stackcheck.cli builds its parser from `Parser`).
-
-- Every usage error is one line on stderr, `stackcheck: ...`, and exit code 2: argparse's own errors too.
-- No value is empty or blank: an empty value never means "the default" or "everything" (`--sets ''`, `--python ''`).
-- A list option (`LIST_OPTIONS`: `--sets`, `--families`, `--arch`, `--candidates`) is comma-separated; each item is
-  stripped, and an empty or blank item, or an item named twice, is an error. Given twice, the option adds its
-  items: `--sets seed --sets latest` is `--sets seed,latest`.
-- Any other option takes one value: given twice with two different values, it is an error (argparse would keep
-  the last one silently).
-- A path that is read names what it must be: `existing_file` and `existing_folder` say "no such file", "no such
-  folder", or that it is the other kind.
+code 2 whichever option or command it reaches (stackcheck.cli builds its parser from `Parser`): no empty value,
+comma-separated list options (`LIST_OPTIONS`) without blank or repeated items, one value for any other option,
+and a path that names what it must be (`existing_file`, `existing_folder`). The rules: docs/inputs.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """Offline installs: every wheel the named sets need on a target Python and platform, in one folder.
 
-`gpu-matrix --find-links DIR --no-index` then installs from that folder on an air-gapped host. torch is the
-target's own CUDA build, so neither it nor its dependencies are downloaded. With `--host-freeze` (the
-target's `pip list --format=freeze`), whatever the target already has in a version that satisfies every
-requirement on it is left out too. bitsandbytes wheels bundle one binary per CUDA version (43 to 61 MB);
-`--cuda 130` keeps only that one and the CPU one, so each set fits a 64 MiB transfer.
-
-A long sweep (`history`) needs one set per release: `--sweep PACKAGE --from A --to B` adds them. A host
-that receives files in transfers of at most N MiB gets `--batch-mib N`: batch-01, batch-02, ... folders
-(hard links, no copies) that each fit one transfer. The first holds the first set's wheels, which every
-release shares; each later one the next releases' own wheels (for transformers, its wheel alone), as many
-as fit. The manifest says which sets each batch completes: copy every batch received into one folder,
-run `history ... --find-links FOLDER --no-index`, and run it again after each batch. A release whose wheels
-have not arrived yet does not build and is not stored, and the ones already run come from the probe store,
-so each run probes only the releases the new batch completed.
-
-A release published only as an sdist (deepspeed) is built here into a wheel, and taken when that wheel is pure
-Python; one with compiled parts would have to be built on the target, and is refused.
-
-uv's resolver picks the versions for the target (`uv pip compile --python-platform --python-version`), as
-pip would install them there: torch held at the target's version, the target's other packages preferred where
-they satisfy the requirements. pip then downloads each wheel the target lacks (`pip download --no-deps`).
+`gpu-matrix --find-links DIR --no-index` then installs from that folder on an air-gapped host: torch is the target's
+own, what the target already has (`--host-freeze`) is left out, bitsandbytes keeps one CUDA binary (`--cuda`), and
+a sweep's releases (`--sweep`) come in batches that each fit one transfer (`--batch-mib`). uv resolves for the
+target; pip downloads. How each works: docs/internals.md, "runner/wheelhouse.py"; offline hosts: docs/running.md.
 """
 
 from __future__ import annotations

@@ -1,52 +1,11 @@
 """A trained QLoRA adapter, saved and loaded back onto a freshly loaded 4-bit base, gives the trained model's
 outputs.
 
-Symptom users meet after training: the adapter they saved does not reproduce what they saw while training
-(missing or renamed modules load silently with a warning, a dtype changes on the way, a layer is left out).
-The round trip here is the one every QLoRA user makes: `prepare_model_for_kbit_training` + LoRA, a few steps,
-`save_pretrained`, then a fresh `from_pretrained` of the 4-bit base, prepared the same way (as when resuming
-training), and `PeftModel.from_pretrained`.
-
-The upgrade: a user trains on one release and loads the adapter on the next. The set that trains leaves its
-adapter, the checkpoint it trained on and its outputs in the run's adapter exchange (`stackcheck.child.exchange`);
-a later set loads it onto a fresh 4-bit base built by its own libraries from that checkpoint. The runner pairs
-the sets: the gate's candidate loads its baseline's adapter, a `matrix` run's later sets load its first set's.
-Without a baseline in the run (one set, CI's `tests`) that cell is skipped. Where the baseline's own training cell
-met a known bug before it exported (seed's MoE training: `peft_moe_all_linear_charset`), the cell is not
-applicable, naming that bug: there is no adapter to upgrade from. A baseline that left none otherwise is
-"scenario not reached".
-
-Upstream: none known on the pinned sets. Across releases Gemma 4's KV-shared layers lost their k/v projections
-(5.5.2, transformers PR #45312/#45336): an adapter trained on 5.5.1 holds 8 of its 84 tensors for modules 5.5.2
-does not have (the KV-shared layers' k/v LoRA, trained because 5.5.1's uncached training forward still ran
-those projections: `gemma4_uncached_kv_sharing`). PEFT leaves them out, and the outputs do not change
-(0.0000): 5.5.1's cached inference never used those projections either.
-
-On a mixture of experts a set also trains LoRA on the fused 3-D expert parameters (`target_parameters`, the
-experts' down projection, no module targets) and exchanges it the same way. PEFT 0.18.0 to 0.19.0 read transformers
-5's (experts, out, in) parameters as (experts, in, out), swapping lora_A's and lora_B's widths; 0.19.1 fixed it
-(peft PR #3165). An expert adapter crossing the fix fails to load with a size mismatch (the tiny Mixtral's
-down_proj, 128 x 256), or, where the parameter is square (the tiny Qwen3-MoE's, 128 x 128), loads silently
-transposed (`peft_moe_param_lora_swapped`, `peft_moe_param_lora_transposed`). A verdict reads this set's versions
-alone, so the cross-set expert cell needs a baseline adapter trained outside the swapped range (seed and latest
-are): one trained inside it is "scenario not reached", whatever this set's PEFT.
-
 Precondition proven: training really changed the outputs (the adapter differs from the base); for the expert
 adapter, the model has fused 3-D expert parameters and every targeted one carries a LoRA, in training and once
 loaded; the baseline's trained adapter changed its outputs.
 
-Tolerance: 0.01 relative logit error, and the same greedy tokens where they are decisive (`scenario.assert_decodes_alike`). Measured on the CPU, seed and latest: the
-round trip is exact (0.0000). Without the preparation the fresh base keeps in bf16 what
-`prepare_model_for_kbit_training` upcast to fp32 for training (norms, embeddings), and that alone moves the
-logits by 0.0192 (seed) and 0.0168 (latest): comparing like with like is what lets 0.01 catch a lost module.
-Across sets the base itself moves (by 0.0024 from seed to latest on the CPU), so the upgrade compares the
-adapter's effect, the logits with it minus those without: seed's adapter on latest is off by 0.0031, while
-leaving out any one of its 38 LoRA modules moves the effect by 0.022 to 0.18. The expert adapter (CPU): its round
-trip is exact (0.0000) on every set that can reload it (latest; seed with peft 0.18.0 or 0.18.1, with transformers
-5.5.4, or with both peft 0.19.0 and transformers 5.5.4; seed itself meets peft_moe_weightconverter_kwargs). Across
-sets it is compared on the deltas it adds to the expert weights (the last test says why): seed's on latest and on
-peft 0.19.1 with transformers 5.5.4 adds the same (0.0000); loaded transposed (peft 0.18.0 to 0.19.0) it is off by
-1.41 (sqrt(2): a transposed delta is uncorrelated with the trained one, of the same norm).
+Symptom, the upgrade, upstream and tolerances: docs/family-notes.md#adapter_round_trip.
 """
 
 from pathlib import Path

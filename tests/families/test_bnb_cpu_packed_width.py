@@ -1,28 +1,10 @@
 """4-bit inference on the CPU fails for layer widths bitsandbytes' packed AVX512-BF16 kernel cannot pack.
 
-Symptom (found by stackcheck): on a CPU with avx512_bf16, bitsandbytes' CPU build repacks a `Linear4bit`'s
-weight at its first forward in eval mode on an input without grad (`Linear4bit.forward` ->
-`_convert_weight_packed_for_cpu`), which every `from_pretrained` model's inference does. Packing asserts
-`out_features % 32 == 0` (`AssertionError: N must be divisible by block_n`) and reshapes the absmax as
-`(out_features, in_features // blocksize)` (`RuntimeError: shape '[1152, 67]' is invalid for input of size
-77472` when in_features is not a multiple of the blocksize, 64). SigLIP-so400m's MLP, the vision tower of
-PaliGemma, Gemma 3 and Idefics among others, is 1152 -> 4304 -> 1152: its fc1 fails the first way and its
-fc2 the second. On a CPU without avx512_bf16 the same layers run bitsandbytes' portable kernel.
-
 Upstream: the path came with bitsandbytes#1804 (first release 0.49.0; 0.48.2 has none); no issue or fix
 reports either error up to bitsandbytes main of 2026-08-19 (0.50.2 is the newest release). Minimal repro:
 `bnb.nn.Linear4bit(64, 48, quant_type="nf4")` on such a CPU, `.eval()`, forward under `torch.no_grad()`.
 
-Precondition proven: this bitsandbytes has the packed path, bitsandbytes itself reports avx512_bf16 (else
-the cell is skipped: the verdict depends on the CPU and says so), the layer is a quantized NF4 `Linear4bit`
-on the CPU in eval mode with its packing switch on and an input without grad, and on the control the
-forward really packed the weight (`quant_state.packing_format_for_cpu`). SigLIP's widths pass once a fix
-either packs them or falls back to the portable kernel, with the same output.
-
-Tolerance: the packed kernel computes in bf16 as the portable one does, with another summation order;
-measured against the portable kernel on the 1152 x 1152 control (this host, bitsandbytes 0.49.2 and
-0.50.2), the relative error of the output is 0.0029; 0.02 leaves room for other CPUs and catches a wrong
-packing (a transposed absmax gives errors near 1).
+Symptom, preconditions and tolerances: docs/family-notes.md#bnb_cpu_packed_width.
 """
 
 import copy

@@ -1,34 +1,11 @@
 """Reentrant gradient checkpointing silently drops the gradient Gemma 4's KV-shared layers send back to the
 layers whose K/V they reuse.
 
-Symptom (no exception, the loss identical to the last digit): LoRA gradients with checkpointing differ from
-those without. The KV-shared decoder layers read their source layer's K/V from a dict passed between layers as
-a keyword argument (`shared_kv_states`, a `KVSharingDict` from 5.23.0). `GradientCheckpointingLayer` binds
-keyword arguments into a partial, so the dict is no input of `torch.utils.checkpoint`; under reentrant
-checkpointing the first pass runs without grad, the dict holds detached K/V, and the consumers' gradient never
-reaches the source layers' k/v projections nor anything before them. Measured on the tiny model (its sources
-are layers 2 and 3), with the language adapter's targets (q/k/v/o/gate/up/down): 46 of 76 LoRA tensors wrong,
-exactly all of layers 0 to 2 and layer 3's k/v; on seed and latest alike.
-
-What leads users into it: transformers' own default is non-reentrant, but PEFT's
-`prepare_model_for_kbit_training` passes `gradient_checkpointing_kwargs={}`, which transformers does not
-replace, so torch's default applies, and torch 2.13 still defaults to reentrant (it only warns). A custom
-training loop on a QLoRA model therefore trains with partial gradients; `Trainer` with `gradient_checkpointing=True`
-re-enables non-reentrant.
-
 Upstream: no transformers or PEFT report found; the mechanism came with transformers PR #45312 (KV sharing
 dissociated from the cache, 5.5.2), whose reviewer noted "ig we have to disable GC for model" (not done, not in
 5.23.0). unsloth-zoo PR #813 forces non-reentrant for it (measured there on transformers 5.12.1).
 
-Precondition proven: the model has KV-shared layers, checkpointing really recomputed the decoder layers during
-backward (their forward runs twice), and the adapter gives every LoRA tensor a non-zero gradient without
-checkpointing (non-zero LoRA weights, so B's zero init does not hide A's gradient).
-
-Tolerance: 0.01 relative error per LoRA tensor. Without the bug the gradients are identical: non-reentrant
-measures 0.0000 on the CPU and on an H100 (seed and latest). The bug's worst tensor: 0.4825 (CPU) and 0.4830
-(H100) with reentrant checkpointing on the bf16 base; 0.709 to 0.711 (CPU) and 0.664 to 0.735 (H100) with
-`prepare_model_for_kbit_training`'s defaults on the 4-bit base. A standalone repro for upstream, without PEFT:
-docs/repro/gemma4_reentrant_checkpointing.md.
+Symptom, how users meet it, preconditions and tolerances: docs/family-notes.md#checkpointing_kv_sharing.
 """
 
 import pytest

@@ -1,38 +1,11 @@
 """QLoRA under FSDP1 (`use_orig_params`), launched as users launch it: `bnb_4bit_quant_storage` decides whether
 the 4-bit base can be sharded at all.
 
-FSDP1 flattens every parameter of a wrapped unit (a decoder layer) into one flat parameter of one floating dtype.
-Symptoms, at `accelerator.prepare`:
-- the default `bnb_4bit_quant_storage=torch.uint8`: `ValueError: Cannot flatten integer dtype tensors`
-  (peft#1432 and its many downstream duplicates; storing the 4-bit weights as bf16 avoids it);
-- bf16 storage beside the QLoRA recipe's fp32 trainables (`prepare_model_for_kbit_training` upcasts the norms, PEFT
-  makes the LoRA weights fp32): `ValueError: Must flatten tensors with uniform dtype but got torch.bfloat16 and
-  torch.float32`. Casting everything beside the 4-bit weights to bf16 (the control) is the workaround.
-Link: https://github.com/huggingface/peft/issues/1432. Both are torch's FSDP1 flat-parameter rules
-(`_flat_param.py:_validate_tensors_to_flatten`, raised under accelerate's `prepare_model`); the recipe is what makes
-users meet them. Measured on torch 2.13 with seed and latest only; older torch releases not checked (no wheel here).
-
 Launched by `accelerate launch --config_file fixtures/distributed/fsdp1.yaml` (TRANSFORMER_BASED_WRAP, FULL_SHARD,
 use_orig_params), two ranks over gloo on the CPU lane, world sizes 1 and 2 over NCCL on the GPU lane; the tiny
 Llama 3 for every architecture run, as in `fsdp2_params4bit` (a job costs two ranks' start and load).
 
-Precondition proven on every rank, before `prepare`: every 4-bit weight is stored in the cell's dtype and the
-trainable parameters are in the cell's dtype (the bf16 + fp32 cell: frozen bf16 beside trainable fp32 in each
-decoder layer, the unit FSDP1 flattens); after it: `prepare` returned an FSDP1 module whose decoder layers are
-FSDP units (accelerate on the CPU needs help to get there: `stackcheck.distributed.rank.accelerator`).
-
-The control (bf16 storage, everything else bf16) trains under FSDP1 and must give the single-process run's losses and
-LoRA weights (same seed, same batch on both ranks, so the averaged gradient is the single-process one). Measured
-on this CPU, 3 steps, both ranks: seed and latest give the single-process losses to the last bit (seed 5.4958,
-5.4871, 5.4767; latest 5.4955, 5.4875, 5.4769) and LoRA weights with relative error 0.0; 1e-3 leaves room for another
-reduction order on NCCL. A cell takes 12 to 14 s here on an idle machine (46 s under load).
-
-At world size 1 (the GPU lane's ws1) the control fails in torch: FSDP1 turns FULL_SHARD into NO_SHARD there, the
-root unit (embeddings, final norm, tied head) is all frozen under PEFT, and from the second step on its
-parameters come back as plain Tensor views that the tied-parameter loop refuses (`AssertionError: as_params=True
-type(prim_param)=<class 'torch.Tensor'>`, `fsdp1_no_shard_frozen_root_tied`). Measured on the H100 (torch 2.11,
-NCCL, seed and latest) and on this CPU with one gloo rank (torch 2.13); raw FSDP1 without accelerate, PEFT or
-bitsandbytes fails the same way once everything outside the decoder layers is frozen.
+Preconditions: docs/family-notes.md#fsdp1_quant_storage.
 """
 
 import pytest

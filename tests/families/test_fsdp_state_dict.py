@@ -1,31 +1,10 @@
 """The full state dict of a 4-bit QLoRA model under FSDP1, as a user saves it: every 4-bit weight with its quant
 state, equal to the single-process model's.
 
-Symptom: `get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))` on an FSDP-wrapped 4-bit model
-raises `AttributeError: 'Params4bit' object has no attribute 'absmax'` in torch's `_get_fqns`, which resolves each
-state-dict key (`...weight.absmax`, written by `Linear4bit._save_to_state_dict`) by `getattr` down the module tree.
-bitsandbytes#1405, fixed by PR#1866 in bitsandbytes 0.50.0 (properties on `Params4bit` for every quant-state key).
-Links: https://github.com/bitsandbytes-foundation/bitsandbytes/issues/1405,
-https://github.com/bitsandbytes-foundation/bitsandbytes/pull/1866.
-
-Launched by `accelerate launch --config_file fixtures/distributed/fsdp1.yaml` (FSDP1, use_orig_params), two ranks over
-gloo on the CPU lane, world sizes 1 and 2 over NCCL on the GPU lane; the tiny Llama 3 for every architecture run.
-The model is the recipe FSDP1 can shard (bf16 quant storage, everything else bf16: `fsdp1_quant_storage`'s control).
-
 Precondition proven on every rank: the single-process model's own state dict holds the 4-bit quant state of every
 `Linear4bit` (70 keys of 99 in the tiny Llama 3: 14 layers, 5 keys each), and `prepare` returned an FSDP1 module.
 
-Judged on every rank, no tolerance: FSDP1's full state dict has every key of the single-process one, each tensor equal
-to it byte for byte (the packed weights stored as bf16 hold NaN bit patterns, so not `torch.equal`), and each 4-bit
-weight rebuilt from the state dict's own quant state (`QuantState.from_dict`) dequantizes to the single-process
-layer's weight bit for bit. Measured on this CPU, both ranks: bitsandbytes 0.50.0, 0.50.1 and latest (0.50.2) give
-all 99 keys, 70 of them the quant state of the 14 `Linear4bit`, every one equal; 0.46.1, 0.49.0 and seed (0.49.2)
-raise in `_get_fqns`. A cell takes 12 to 13 s here.
-
-Not tested here: `StateDictOptions(cpu_offload=True)`. On this CPU rank 0 dies of SIGSEGV in torch's FSDP1
-`_state_dict_utils.py:param_hook` on every bitsandbytes release tried (seed, latest), and rank 1 then fails with gloo's
-`Connection reset by peer`; the lane cannot file a rank's death under a known bug (it has no raising frame), and
-whether the crash needs a 4-bit model at all is not established.
+Symptom, the launch, the judgement and what is not tested: docs/family-notes.md#fsdp_state_dict.
 """
 
 import pytest

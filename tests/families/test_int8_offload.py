@@ -1,38 +1,11 @@
 """The LLM.int8 (8-bit) twins of the 4-bit offload bugs: `Int8Params` rebuilt from a transformers 5 parameter,
 and its statistics (`SCB`) lost when an offload hook detaches.
 
-Symptom (seed 002, transformers#43872): the seed's split map with `load_in_8bit=True` and
-`llm_int8_enable_fp32_cpu_offload=True`, then `PeftModel.from_pretrained` under a `max_memory` budget ->
-`load_adapter` -> `dispatch_model` -> `AlignDevicesHook.init_hook` -> accelerate `set_module_tensor_to_device`,
-which rebuilds the weight as `Int8Params(new_value, **old_param.__dict__)`:
-`TypeError: Int8Params.__new__() got an unexpected keyword argument '_is_hf_initialized'`. Without memory
-pressure PEFT moves everything onto the GPU and nothing is offloaded.
-Behind it, `AlignDevicesHook.detach_hook` (what `PeftModel.from_pretrained` runs on a base whose map has
-offloaded entries, and every `remove_hook_from_submodules`) restores an offloaded int8 weight without its
-`SCB`, and the next forward fails inside bitsandbytes (`'NoneType' object has no attribute 'unsqueeze'` on
-the CPU, `... 'dtype'` on CUDA).
-
-Upstream: accelerate PR #3976 (pops `_is_hf_initialized` for every parameter class, 1.14.0) and
-bitsandbytes PR #1900 (`**kwargs` in `Int8Params.__new__`, 0.50.0): either fixes the first bug. accelerate
-has rebuilt `Int8Params` from the old `__dict__` since PR #539 (0.12.0); transformers leaves the flag on loaded
-parameters since 5.0.0rc0 (4.57.3 popped it). The second: accelerate PR #4044 (detach passes the statistics,
-1.14.0); offload hooks for 8-bit came with PR #1699 (0.21.0). On `seed` the first bug hides the second, which
-shows with accelerate < 1.14 and bitsandbytes >= 0.50.
-
-Not tested, with evidence: peft#3169 (LoRA + Int8 + CPU offload, "found at least two devices, cuda:0 and
-cpu" in `peft/tuners/lora/bnb.py:forward`, open; PR #3181 closed unmerged) needs an 8-bit base layer that
-*executes* on the CPU while its input is on the GPU. accelerate's offload (transformers' dispatch and PEFT's
-redispatch alike) executes offloaded layers on the GPU, and fp32 CPU offload keeps every CPU-mapped layer out
-of 8-bit, so the tiny model reaches it only through a hand-made hook (measured on an H100, peft 0.19.1 to
-0.21.2): that would be our bug, not the user's.
-
-The end-to-end test runs in the GPU lane only: on a host without CUDA, accelerate's pre-forward moves an
-8-bit weight to the string device "cpu" through `.to(0)` (since 0.21.0), which raises "Cannot access
-accelerator device" on every version, so its CPU verdict would depend on the host.
-
 Precondition proven: the layers are bitsandbytes `Linear8bitLt` loaded by transformers, whose `Int8Params`
 carry `_is_hf_initialized`; the offload hook really moved the weight to meta; PEFT's redispatch really
 offloaded 8-bit layers.
+
+Symptom, upstream and what is not tested: docs/family-notes.md#int8_offload.
 """
 
 import bitsandbytes as bnb

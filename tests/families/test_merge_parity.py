@@ -6,29 +6,7 @@ base, while a fresh bf16 base + the same adapter + merge restores parity. `dequa
 
 Upstream: peft#2321 (closed: rounding in 4-bit merges is inherent), the seed thread for the dequantize path.
 
-Precondition proven: the adapter changes the logits (so parity is not trivially true), the base
-really is 4-bit (or bf16 for the control), and `dequantize()` really removed every bnb Linear4bit. For the 4-bit
-merge, every LoRA layer sits on a 4-bit layer: a mixture of experts' language adapter also targets weights
-bitsandbytes leaves in bf16 (its router gates, and its fused experts through `target_parameters`), whose merge is
-exact, so there the adapter is loaded without them (`scenario.peft_load_on_4bit_layers`).
-
-Tolerance: the merged model must keep the adapter's effect, i.e. ||merged - adapter|| <= 10% of
-||adapter - base|| on the prompt's logits, and produce the same greedy tokens where the adapter's choice is
-decisive (`scenario.assert_decodes_alike`). Measured on the tiny Gemma 4 (CPU, seed and latest): the bf16 merge
-lands at 3.1% (bf16 rounding of W + dW), the 4-bit merge at 52% (NF4 re-quantization); 10% sits three times above
-the bf16 floor and far below the 4-bit loss. On the other dense architectures the 4-bit merge measures 13% to 29%;
-on the tiny Gemma 3 the adapter's first step wins by one bf16 step, which the bf16 merge swaps (a near-tie,
-skipped: measured in fp32, adapter and merge decode alike). On the 4-bit layers alone (latest, CPU): Mixtral 5.8%
-and Qwen3-MoE 7.7% (passes), Qwen3-Next 68%.
-
-Judged by mechanism: that error depends on how large the adapter is against the NF4 step, and on what the model
-does with the noise, so it is no evidence of which bug it is. A failure reports the share of the adapter's weight
-change the merged weights carry (`scenario.weight_change_kept`: W_merged - W, projected on each layer's LoRA delta,
-over every layer together). Re-quantizing W + dW adds noise beside the delta and keeps the delta itself: measured
-0.9939 (Gemma 4) to 0.9955 (Llama 3, Qwen3) on every architecture, seed and latest alike (CPU), Qwen3-Next's
-0.9942 included, whose logits keep only 0.786 of the adapter's effect (its linear attention does not pass the
-noise through linearly; 0.938 to 1.005 on the others). A merge that drops the adapter keeps 0, one that adds it
-twice 2: another bug. The share of the effect on the logits is printed beside it.
+Preconditions, tolerances and the judgement: docs/family-notes.md#merge_parity.
 """
 from stackcheck.harness import scenario
 

@@ -1,17 +1,12 @@
 """`Tensor.item() cannot be called on meta tensors` in `QuantState.as_dict(packed=True)`.
 
-Symptom (seed 003, accelerate 1.14.0.dev0): `PeftModel.from_pretrained` on a split 4-bit Gemma 4 ->
-`load_adapter` -> `dispatch_model` -> `attach_execution_device_hook` -> `module.state_dict()` ->
-bnb `Linear4bit._save_to_state_dict` -> `QuantState.as_dict(packed=True)` -> `self.offset.item()`.
-The offload hook had moved the shared double-quant state to meta. Variant: the first forward of such a
-layer fails with `Cannot copy out of meta tensor`. On accelerate < 1.14 with bitsandbytes < 0.50 the same
-user action dies earlier on params4bit_kwargs, which the verdict then names.
-
 Upstream: no issue or fix found (bitsandbytes 0.50.2, accelerate 1.15.0, peft 0.21.2 unchanged); thread
 https://discuss.huggingface.co/t/cpu-offloading-error-scenario/175522.
 
 Precondition proven: the module is a `Linear4bit` with nested quant state; after accelerate's offload its
 quant state is on meta; after PEFT's redispatch 4-bit modules really sit on the offload device.
+
+Symptom: docs/family-notes.md#meta_quant_state.
 """
 
 from accelerate.utils import set_module_tensor_to_device

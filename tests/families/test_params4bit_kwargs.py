@@ -1,15 +1,12 @@
 """`Params4bit.__new__() got an unexpected keyword argument '_is_hf_initialized'`.
 
-Symptom (seed R03): `PeftModel.from_pretrained` on a split 4-bit Gemma 4 -> `load_adapter` ->
-`dispatch_model` -> `AlignDevicesHook.init_hook` -> accelerate `set_module_tensor_to_device(module, name,
-"meta")`, which rebuilds the parameter as `Params4bit(new_value, **old_param.__dict__)`; transformers 5
-puts `_is_hf_initialized` in that `__dict__`.
-
 Upstream: accelerate#3976 (fixed in 1.14.0), bitsandbytes#1900 (fixed in 0.50.0), transformers#43872
 (the Int8Params twin).
 
 Precondition proven: the module is a bnb `Linear4bit` loaded by transformers, with nested (double-quant)
 quant state, and its `Params4bit` carries `_is_hf_initialized`.
+
+Symptom: docs/family-notes.md#params4bit_kwargs.
 """
 
 import bitsandbytes as bnb

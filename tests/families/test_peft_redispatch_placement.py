@@ -1,35 +1,10 @@
 """`PeftModel.from_pretrained` moves the modules of a dispatched base off the devices the user placed them on.
 
-Symptom (seed 000/001): the user puts the vision and audio towers on the CPU and asks "PEFT expects those on
-GPU?"; with a second, 4 GB GPU in the machine the load runs out of memory there. `load_adapter` sees the
-base's `hf_device_map` name 'cpu' or 'disk', strips the base's hooks (which brings offloaded weights back),
-recomputes a device map with `get_balanced_memory` + `infer_auto_device_map` over the free memory of every
-visible device, and dispatches the PeftModel with it. The base's own map is never read; a user's `device_map`
-is honoured only with keys spelled `base_model.model.<name>` (the base's own keys match nothing, with a
-warning). Where the modules go depends on what the host has free: everything onto GPU 0 on one GPU, a
-balanced split over both on two (measured on two H200s: 111 of 217 parameters on cuda:1), and back into RAM
-for the CPU lane's disk-offloaded embedding table.
-
 Upstream: the code is the same in peft 0.19.1, 0.21.2 and main (2026-08): the cpu/disk condition came with
 peft 0.3.0, `get_balanced_memory` with 0.1.0. Related: peft#287 ("device_map is not fully respected", closed),
 peft#3793 (adapter weights loaded to cuda for a CPU base, open). No report of this exact behaviour found.
 
-Precondition proven: the base's parameters really sit in more than one place (so its map has a 'cpu' or
-'disk' entry and PEFT takes its redispatch branch), and PEFT really redispatched (the PeftModel got its own
-`hf_device_map`).
-
-The CPU lane tests the same intent one level down: the split base's per-layer embedding sits on disk, and it
-must stay there. PEFT's map there comes from free RAM, far above the tiny model's 0.64 MB on every host; the
-lane hands PEFT that budget explicitly, because on a GPU host PEFT would count the GPUs' free memory too
-(measured on two H200s: the CPU lane's 4-bit model then went to both GPUs, through `params4bit_kwargs` on seed).
-In the GPU lane the number of GPUs is part of the platform: on two, seed's 4-bit redispatch meets
-`params4bit_kwargs` before any placement can be checked. Whether PEFT's map reaches the second GPU depends on the
-model too: accelerate gives each GPU half the model plus 1.25 of its largest no-split block, so a small model whose
-blocks are large against it stays on GPU 0. Asked of accelerate on the bf16 PeftModels (budgets of two 70 GiB GPUs):
-the tiny Llama 3, Phi-4 and Qwen3 go wholly to GPU 0 (per-GPU budget 0.71 to 0.76 MB), Gemma 3 and multimodal Gemma 3
-split 5/5 and 6/6 modules; on two H100s the 4-bit Llama 3, Phi-4 and Qwen3 moved 19 of 20, 13 of 14 and 23 of 24
-parameters to cuda:1. A cell that passes where accelerate's balanced map would use no other GPU is not applicable
-(the bug cannot show there), not `fixed`.
+Symptom and preconditions: docs/family-notes.md#peft_redispatch_placement.
 """
 
 import pytest

@@ -1,31 +1,8 @@
 """A QLoRA training step does what users expect of it, on the seed's 4-bit base.
 
-Symptom (seed 004: "PEFT training had an error"): training bugs mostly raise nothing; the run learns less, or
-learns wrong. The user-level contract of QLoRA, checked on a few optimizer steps of one fixed batch, with
-`prepare_model_for_kbit_training` and its defaults (gradient checkpointing on) and a LoRA config:
-- the loss decreases;
-- every LoRA parameter gets a finite, non-zero gradient (at the last step: LoRA's B starts at zero, so A's
-  first gradient is zero by design);
-- the frozen 4-bit base weights and their quant states (nested, with double quant) are bit-identical after
-  the steps;
-- the number of trainable parameters on linear layers is what the config asks for: rank x (in + out) per
-  targeted layer (PEFT may also put LoRA on fused-expert parameters: counted and printed, not asserted).
-
-Run with torch's AdamW and with the QLoRA paper's paged 8-bit AdamW. On the CPU, bitsandbytes before 0.50.0 has
-no optimizer kernels: the first step fails (bitsandbytes PR #1901 added them; paged falls back to non-paged).
-
-Run on the language adapter's targets with text, and on the seed user's setup: the towers' inner `.linear` too,
-with an image and an audio clip in the batch. There, PEFT's defaults checkpoint the vision encoder reentrantly
-and its LoRA gets no gradient at all (14 of 14 tensors; every one with non-reentrant checkpointing or none):
-our finding, `vision_tower_lora_reentrant_checkpointing`. On transformers < 5.11 the 4-bit audio tower crashes
-first (`audio_tower_finfo_uint8`). On the split base, where accelerate offloads the towers, `get_peft_model`
-puts their LoRA weights on the meta device: the forward silently adds uninitialized memory for the LoRA branch and the
-backward fails (`lora_on_offloaded_layer_meta`, our finding; 20 of 96 LoRA tensors on meta: 14 in the vision tower, 6 in the audio tower).
-
-Measured on the tiny model (CPU, seed and latest, language targets, AdamW lr 1e-2): the loss falls from 7.38 to
-3.11 (seed) and 3.04 (latest) in 5 steps.
-
 Precondition proven: the base is NF4 with nested quant state, and the optimizer really moved the LoRA weights.
+
+Symptom, how it is run and measurements: docs/family-notes.md#qlora_step.
 """
 
 import re

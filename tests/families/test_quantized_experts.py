@@ -1,24 +1,11 @@
 """A mixture of experts loaded with `load_in_4bit` keeps its experts in bf16, and nothing warns.
 
-Symptom: transformers 5 fuses each layer's experts into 3-D parameters (`mlp.experts.gate_up_proj`, `down_proj`),
-and bitsandbytes' quantizer replaces `nn.Linear` only, so the experts, most of a MoE model's weights, load in bf16
-under `BitsAndBytesConfig(load_in_4bit=True)`. The user's VRAM plan is off by about 3x: Gemma-4-26B-A4B takes
-about 46 GB "in 4-bit"; GLM-4.5-Air fit in about 48 GB on transformers 4.57 (one nn.Linear per expert) and runs
-out of memory on 5.x. `scan` predicts it for a full-size config before any download.
-
 Upstream: bitsandbytes#1849 (open), bitsandbytes PR #1965 and transformers PR #39859 (both unmerged).
 
 Precondition proven: the tiny model really has fused experts (3-D parameters, one matrix per expert) and the load
 really quantized its other linear layers (bnb Linear4bit with a nested quant state).
 
-What is expected of 4-bit (`stackcheck.models.footprint`): every weight of two or more dimensions is stored in 4-bit,
-except embeddings, the head, the routers, convolutions and the modules not to convert (`llm_int8_skip_modules`
-and transformers' defaults); and the weights take the NF4
-arithmetic's bytes (packed values and absmax; the code tables, a constant 1 KiB a layer, left out) within 2%.
-Measured on the tiny Llama 3 (dense, seed and latest): the stored bytes equal the arithmetic exactly (0.0%); on the
-tiny Qwen3-MoE and Mixtral the fused experts make the weights 2.50x and 2.98x the arithmetic (seed and latest). Judged by mechanism, not
-by that ratio (it depends on how much of the model the experts are): the fraction of the excess bytes that sits in
-fused experts left in 16 bits, 1.0 for this bug whatever the model's size.
+Symptom: docs/family-notes.md#quantized_experts.
 """
 
 import pytest

@@ -1,33 +1,10 @@
 """4-bit weights that do not survive serialization.
 
-Symptoms, three ways of saving a bitsandbytes NF4 model:
-- `save_pretrained`, then `from_pretrained`: the control. Every Linear4bit's packed weight and quant state must
-  come back bit-identical and the logits equal.
-- A raw `state_dict()` of a `Linear4bit` loaded back with `load_state_dict`: `Linear4bit._save_to_state_dict`
-  writes the quant state beside the weight (`weight.absmax`, `weight.quant_map`, ...), but no
-  `_load_from_state_dict` reads it back. `strict=True` raises "Unexpected key(s) in state_dict"; `strict=False`
-  drops them, so the layer computes with its old quant state and the loaded packed weight: garbage, silently.
-- The packed CPU path: on a CPU with avx512_bf16, an eval forward without grad repacks the weight for the
-  AVX512-BF16 kernel (see the `bnb_cpu_packed_width` family), storing the absmax transposed, as
-  (in_features // blocksize, out_features), in bf16. `state_dict()` unpacks it first, but without double quant
-  the inverse leaves the absmax transposed, so the saved weight dequantizes wrong.
-
 Upstream: bitsandbytes#1946 (fix PR #1958, open) for load_state_dict, since 4-bit serialization came in 0.42.0;
 bitsandbytes#2078 (fix PR #2083, in no release) for the packed path, which came with PR #1804 (0.49.0). Measured
 on the 0.46.1, 0.47.0, 0.48.2, 0.49.0, 0.49.2, 0.50.1 and 0.50.2 wheels (0.45.x: transformers 5.6.2 refuses it).
 
-Preconditions proven: the layers really are NF4 `Linear4bit`s with the quant state the test needs (nested for
-the load_state_dict test's layer); the checkpoint `save_pretrained` wrote holds a quant state for every 4-bit
-layer and reloads as 4-bit; the layer that loads the state dict was quantized from other weights (else a lost
-quant state would go unseen); the packed forward really packed the weight (`packing_format_for_cpu`) of a layer
-whose rows hold several blocks (with one, the transpose changes nothing), and the CPU takes the packed path at
-all (else the cell is skipped: that verdict depends on the CPU and says so).
-
-Tolerances: the round trip is exact (`torch.equal`), as measured on every built-in architecture. A state dict
-loaded back computes exactly what its source did: 1e-6 of relative error; with the bug, 0.21 to 0.33 on the
-seven tiny models' first 4-bit layers. The packed save converts the absmax to bf16 and, with double quant,
-re-quantizes it: the double-quant control's saved weight dequantizes 0.0023 to 0.0031 away; 0.01 leaves room
-and catches the transposed absmax (0.196 to 0.232 without double quant). Seed and latest, this CPU.
+Symptom, preconditions and tolerances: docs/family-notes.md#quantized_serialization.
 """
 
 import pytest

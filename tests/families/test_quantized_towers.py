@@ -1,34 +1,10 @@
 """Gemma 4's vision and audio towers under bitsandbytes 4-bit, and the skip list users protect them with.
 
-Symptom (seed 004): with the towers quantized "the model only saw grey and distorted shapes"; the user gave up
-about 1 GB of VRAM to keep them in bf16 with `llm_int8_skip_modules`. By default NF4 quantizes every linear
-layer of both towers, the patch embedder's `input_proj` and the inner `.linear` of each
-`Gemma4ClippableLinear` included. Then:
-- `Gemma4VisionPatchEmbedder.forward` casts `pixel_values` to `input_proj.weight.dtype`, which is uint8: every
-  pixel in (-1, 1) after the model's rescaling becomes 0 and bitsandbytes casts the product back to uint8, so
-  the tower answers every image as if it were grey. No exception.
-- The audio tower clips with `torch.finfo(<linear>.weight.dtype)`, which raises on uint8; behind it, the
-  attention output is cast to uint8 as well.
-- The skip list matches each entry as a regex anchored at the start of a module name, or as a suffix of it:
-  `vision_tower` names the tower's container but none of its linear layers, so it skips nothing, silently.
-  The seed user's `model.multi_modal_projector` names no Gemma 4 module (its projector is `embed_vision`).
-- Any skip list replaces transformers' default skips: the tied `lm_head` becomes a `Linear4bit` around the
-  bf16 embedding and the first forward fails in bitsandbytes with a bare `AssertionError`.
-
 Upstream: transformers#46932 / PR #46933 (vision cast guarded in 5.13.0), #45672 (audio finfo, fixed in 5.11.0
 together with the attention cast), #45674 (a skip list drops the defaults; PR #45734 closed unmerged). All
 three casts are in 5.5.0, the first release with Gemma 4 (checked in every released wheel, 5.5.0 to 5.23.0).
 
-Precondition proven: the tower's layers really are NF4 `Linear4bit` (or, for the skip list, really are not), the
-bf16 tower's output depends on its input (so a blind tower cannot pass), and the 4-bit patch embedder really
-received the pixels.
-
-Tolerance: compared is the towers' *response*, f(x) - f(x'), which takes out the position embeddings that
-dominate the tiny towers' output. NF4 against bf16 on the tiny model (latest): vision response 0.386 on this
-machine's CPU, 0.334 on the H200 host's CPU and 0.348 on the H200; audio response 0.370, 0.296 and 0.297 (0.17
-and 0.37 on the whole outputs, which hide the vision bug). The bugs measure 1.000 (vision: the 4-bit response is
-exactly zero, CPU and GPU, transformers 5.6.2 to 5.12.1) and 0.76 (the audio attention cast, measured on 5.6.2
-with the finfo fix patched in). 0.6 sits between.
+Symptom, preconditions and tolerances: docs/family-notes.md#quantized_towers.
 """
 
 import pytest

@@ -1,15 +1,12 @@
 """`ValueError: Gemma4AudioModel does not support an attention implementation through ... scaled_dot_product_attention`.
 
-Symptom (found by stackcheck): the seed user's load kwargs include `attn_implementation="sdpa"`. On
-transformers 5.6.2 the multimodal model loads with them; from 5.20.0 on (bisected: 5.19.0 loads)
-`from_pretrained` raises because the audio tower declares no SDPA support, so the user's script stops
-before any quantization or PEFT step.
-
 Upstream: 5.20.0 made Gemma4AudioModel eager-only alongside the eager mask fix of transformers#48818; no
 issue about the load error found (transformers#28005 is the generic tracker the message links to).
 
 Precondition proven: the fixture really has an audio tower (and vision tower) whose attention the
 requested implementation would have to cover.
+
+Symptom: docs/family-notes.md#sdpa_multimodal_load.
 """
 
 import pytest

@@ -1,19 +1,12 @@
 """The seed user's setup end to end on the GPU: the controls that must work on every set, and the preflight.
 
-Symptom: none expected. Seed 001 reports that `device_map={"": 0}` works and that the split map loads; the
-crashes start only when PEFT redispatches the split base (the other families). A failure of a control here
-is therefore a `new_failure`: something broke the plain path every QLoRA user takes. Whether the cached
-logits of the same setup are right is the `cache_parity` family's question.
-
-The preflight checks the user's own device map against `named_modules()`. Seed 001's map names
-`model.multi_modal_projector`, which Gemma 4 does not have; transformers and accelerate accept the stray key
-without a word, so the user believed a module was offloaded that does not exist.
-
 Upstream: https://discuss.huggingface.co/t/cpu-offloading-error-scenario/175522 (seed 001).
 
 Precondition proven: the base is 4-bit NF4 with nested quant state where double quant is on, the towers of
 the split base really sit on the CPU while the 4-bit language layers sit on the GPU, and the adapter changes
 the logits.
+
+Symptom: docs/family-notes.md#seed_scenario.
 """
 
 import pytest

@@ -1,21 +1,12 @@
 """`KeyError` on `shared_kv_states[self.kv_shared_layer_index]` after PEFT redispatches Gemma 4.
 
-Symptom (seed 001/000): `PeftModel.from_pretrained(base, ..., device_map=...)` on a dispatched Gemma 4,
-then `generate` -> `Gemma4TextAttention.forward` -> `KeyError: 22` (E4B; 13 on E2B). PEFT's
-`load_adapter` calls `dispatch_model` without `skip_keys`, so accelerate's `send_to_device` rebuilds the
-`shared_kv_states` dict at every hooked layer and the reusing layer never sees its source layer's entry.
-transformers 5.8-5.22 key the dict by layer type, so the same bug reads `KeyError: 'sliding_attention'`:
-a new signature of this family.
-
 Upstream: transformers#45347 (fixed transformers' own dispatch only), #45663 (FSDP2 twin), #47290 /
 5.23.0 `KVSharingDict` with an in-place `.to()`.
 
-Two ways into PEFT's redispatch: the seed's split base under memory pressure (both lanes), and, on the
-GPU lane, `PeftModel.from_pretrained(..., device_map=base.hf_device_map)` as seed 001 did. The reference
-is the same adapter on the undispatched base (the all-GPU run on the GPU lane).
-
 Precondition proven: the model has KV-shared layers; after the redispatch its decoder layers carry
 accelerate hooks and the `shared_kv_states` dict really crosses a hooked layer during the forward.
+
+Symptom: docs/family-notes.md#shared_kv_redispatch.
 """
 
 import pytest

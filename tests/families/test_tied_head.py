@@ -1,32 +1,10 @@
 """Tied embeddings: the head (or embedding) a user trained as a full copy is lost after the merge.
 
-Symptom: LoRA plus `modules_to_save=["lm_head"]` (or `embed_tokens`, or both) on a model with
-`tie_word_embeddings=True` (Llama 3.2 1B/3B, small Qwen, Gemma, Phi-4-mini). PEFT gives each listed module
-its own trainable copy, so training unties the pair. `merge_and_unload()` puts the trained copies in place, but
-PEFT before 0.19.0 leaves `config.tie_word_embeddings=True`. With transformers 4 the reload re-tied the head to
-the embedding. transformers 5's loader keeps both weights when they differ ("both are present in the checkpoints
-with different values, so we will NOT tie them"), so the reload alone is exact on every release checked. The
-trained copy is lost at the next `tie_weights()`, and `resize_token_embeddings` (adding tokens after the merge)
-calls it: the head becomes the embedding again. With `ensure_weight_tying=True` (added in PEFT 0.18.0), PEFT
-before 0.19.0 crashes at `get_peft_model` when only the head is listed, and when both are listed it keeps two
-copies that drift apart in training.
-
-Upstream: peft#2777 (config left tied after the merge), #2018, #2244, #1750 (earlier reports), #2864 (the
-intended weight-tying behaviour), #2803 (`ensure_weight_tying`, 0.18.0), #2879 (0.19.0: the tied layers handled
-apart from `modules_to_save`), #3126 (0.19.0: `tie_word_embeddings=False` written when the merge unties the pair),
-#3171 (0.20.0: `ensure_weight_tying` follows the model's config).
-
 Precondition proven: the base loads with its head and input embedding as one tensor and the config says tied;
 training moved every trained copy off the base weights; after the merge the head differs from the embedding
 (without `ensure_weight_tying`).
 
-Tolerance: the merge must reproduce the trained model to 0.05 relative logit error (bf16 rounding of W + dW:
-0.0015 to 0.0183 measured on the five tied built-ins, CPU, seed and latest); the save, reload and resize must keep
-the merged model's logits on the original vocabulary to 0.01 (0.0000 measured wherever the merge wrote the config
-untied). A re-tied pair measures 0.98 to 1.00 when the head was trained (0.34 to 0.36 on Gemma 4) and 0.20 to 0.41
-when only the embedding was (0.0233 on Gemma 4), with peft 0.18.0 and 0.18.1. That error depends on how far three
-training steps moved the copy, so the resize check is judged by mechanism: whether the head and the embedding are
-one tensor again (1) or not (0).
+Symptom, upstream and tolerances: docs/family-notes.md#tied_head.
 """
 
 import pytest

@@ -1,37 +1,11 @@
 """QLoRA trained through `transformers.Trainer` with `gradient_checkpointing=True`: the steps run and every LoRA
 weight learns.
 
-Symptom: `RuntimeError: element 0 of tensors does not require grad and does not have a grad_fn` at the first
-backward (transformers#42489, still open; TRL calls `enable_input_require_grads` itself for it). Under reentrant
-checkpointing a checkpointed layer's output has a grad_fn only if one of its inputs requires grad; with a frozen
-base the hidden states do not, unless a hook makes the embeddings' output require grad. When something outside
-the checkpointed layers trains, the loss keeps a grad_fn and the same bug is silent: the steps run and the LoRA
-weights inside the layers never move. The test asserts what users expect, so it fails either way: the steps run,
-every loss is finite, and every LoRA tensor moved. Measured for the silent form (this test with
-`modules_to_save=["lm_head"]` added, tiny Llama 3, transformers 4.57.6): "8 of 8 LoRA tensors did not move"; on
-seed it passes.
-
-Where users meet it: `get_peft_model` straight on the 4-bit base, without PEFT's `prepare_model_for_kbit_training`
-(which hooks the embeddings itself), as transformers#42489's reproduction does. PEFT hooks the embeddings of an
-unquantized base only, and only when checkpointing is already on. Up to 5.0.0rc1, transformers'
-`gradient_checkpointing_enable` checkpoints reentrantly by default and hooks the embeddings only for adapters of
-its own PEFT integration. 5.0.0rc2 hooks them for every model whose main input is `input_ids`, reentrant or not;
-5.0.0 also makes the default non-reentrant (transformers PR #43203).
-
-Cells, per architecture: PEFT's QLoRA recipe (`prepare_model_for_kbit_training`) and `get_peft_model` on the 4-bit
-base alone, both with the Trainer's default checkpointing; and the latter with `use_reentrant=True` passed
-explicitly, which the non-reentrant default of 5.0.0 does not cover.
-
-Measured (CPU, the Trainer's defaults: AdamW, lr 5e-5, 3 steps of batch 1): every LoRA tensor moves in every cell
-on seed and latest (Llama 3 8 of 8, Gemma 4 76 of 76, Qwen3-MoE 28 of 28 on latest; on seed the Qwen3-MoE's
-all-linear adapter fails first, `peft_moe_all_linear_charset`); the losses are finite, 5.04 (Llama 3, seed), 5.50
-(Llama 3, latest), 5.57 (Qwen3-MoE), 7.35 to 7.38 (Gemma 4). Whether the gradients are right is not asserted here:
-Gemma 4's reentrant cell checkpoints reentrantly, where `checkpointing_kv_sharing` measures partial gradients that
-still reach every tensor.
-
 Precondition proven: the base is NF4 with nested quant state and frozen (no 4-bit weight requires grad), and
 every decoder layer ran with checkpointing on during the steps (`gradient_checkpointing` set and in training
 mode at its forward, which is what transformers' `GradientCheckpointingLayer` decides by).
+
+Symptom, how users meet it, cells and measurements: docs/family-notes.md#trainer_checkpointing.
 """
 
 import math

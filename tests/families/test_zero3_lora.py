@@ -1,51 +1,13 @@
 """LoRA and QLoRA under DeepSpeed ZeRO-3, launched as users launch them: the sharded steps must give the single-process
 run's losses and LoRA weights, and the Trainer must save the adapter it trained.
 
-Symptoms users report:
-- the Trainer's `save_model` under ZeRO-3 writes a 40-byte `adapter_model.safetensors` (no tensors) when the
-  DeepSpeed config leaves `stage3_gather_16bit_weights_on_model_save` at its default, off (trl#4416, peft#2892;
-  fixed by transformers PR#41416 in 5.0.0, which consolidates the adapter alone). Both sets run transformers 5: this
-  cell is a regression guard. The affected range is not in the ledger: on transformers 4.57.6 with torch 2.13 the
-  Trainer under ZeRO-3 fails earlier (`ValueError: zip() argument 2 is longer than argument 1` in the LR scheduler),
-  so the bug itself could not be reproduced here;
-- LoRA on fused expert parameters (`target_parameters`) under `zero3_init_flag`: `IndexError: tuple index out of
-  range` while PEFT injects the adapter, because ZeRO-3 has partitioned the parameter and its `shape` is empty
-  (its real shape is `ds_shape`). peft PR#3576, first released in 0.21.0 (the `ds_shape` lookup is absent from the
-  0.20.0 wheel's `lora/layer.py`, present in 0.21.0's);
-- the first step fails in ZeRO-3's gather of the persistent parameters after the optimizer step: the buffers take the
-  first parameter's dtype, and the fp32 LoRA factors beside the bf16 weights do not fit (`output tensor must have the
-  same type as input tensor`; gloo: `invalid tensor type`). deepspeed#8072, fixed by PR#8073 in 0.19.3; this launch
-  config enables no mixed precision, so 0.18.0 and 0.19.1 fail here too (`deepspeed_zero3_allgather_first_param_dtype`);
-- `zero.Init` does not partition a 4-bit model while it loads (peft#1844, peft#2016, bitsandbytes#1249): transformers
-  skips `zero.Init` for quantized models by design, so each rank loads the whole 4-bit model and ZeRO-3 partitions it
-  at `prepare`. Not a failure: the QLoRA cell proves that `prepare` does partition every 4-bit weight.
-Links: https://github.com/huggingface/trl/issues/4416, https://github.com/huggingface/peft/issues/2892,
-https://github.com/huggingface/transformers/pull/41416, https://github.com/huggingface/peft/pull/3576,
-https://github.com/bitsandbytes-foundation/bitsandbytes/issues/1249.
-
 Launched by `accelerate launch --config_file fixtures/distributed/zero3.yaml` (`zero3_init_flag` on, the JSON
 beside it), two ranks over gloo on the CPU lane (DeepSpeed's CPU accelerator), world sizes 1 and 2 over NCCL on the
 GPU lane. QLoRA is the ZeRO-3 recipe of the PEFT guide: NF4 with double quant, `bnb_4bit_quant_storage=bfloat16` (so
 ZeRO-3 can flatten the 4-bit weights with the rest), the tiny Llama 3; expert LoRA runs on the tiny Qwen3-MoE in bf16,
 since `zero.Init` never runs for a quantized model.
 
-Preconditions proven on every rank: accelerate's state is DeepSpeed at stage 3; after `prepare`, every 4-bit weight
-(QLoRA) or fused expert parameter (expert LoRA) is a ZeRO-3 partitioned parameter holding its share of the elements
-(at world size 2, fewer than all); the expert parameters were already partitioned when PEFT injected its adapter
-(`zero.Init` ran); the Trainer's engine is at stage 3 with the 16-bit gather on save off and its LoRA weights
-partitioned.
-
-Once injected (peft 0.21), expert LoRA fails at the first backward under ZeRO-3, with or without the MoE block as a
-leaf module: `RuntimeError: The size of tensor a (0) must match the size of tensor b (16)`, raised for the forward's
-`get_delta_factors` (its reshape of lora_B, peft PR#3577), found here (`peft_zero3_expert_lora_factors_backward`).
-
-Tolerance: the ranks train on the same batch, so the averaged gradient is the single-process one. Measured on this
-CPU, 3 QLoRA steps, 2 ranks: the losses equal the single-process ones to the last bit on seed (5.4957, 5.4875,
-5.4773) and latest; the LoRA weights differ by a relative error of 3.6e-4 at most on seed and 0.0 on latest. 2e-3
-leaves room for NCCL's reduction order. The Trainer's saved adapter must equal the gathered trained weights exactly
-(both fp32); it does on seed and latest. Verdicts here: seed passes the QLoRA and Trainer cells, expert LoRA reads
-`peft_zero3_param_wrapper_shape` (and so does peft 0.20.0); latest passes QLoRA and Trainer, expert LoRA reads
-`peft_zero3_expert_lora_factors_backward`. A cell takes 25 to 60 s here (two ranks on two shared cores).
+Symptom, preconditions and tolerances: docs/family-notes.md#zero3_lora.
 """
 
 import pytest

@@ -1,21 +1,10 @@
 """`stackcheck bisect`: the first release (or commit) of one package where a family's verdicts flip,
 "first broken in" or "first fixed in".
 
-Candidates are the package's releases between the two endpoints (from the package index, ordered by
-`packaging`), or the first-parent commits of a local clone. Every other library stays pinned to a base
-set and each candidate gets its own environment: the ad-hoc set `<base>+<package>==<version>`.
-
-A probe's outcome is the observed verdict of every test it ran (`fixed` counts as `pass`: the test
-passed; only the ledger's expectation differs). A probe is on the good side when its outcome equals the
-good endpoint's, so a third outcome (a new signature between the endpoints) counts as bad and shows in
-the evidence. A probe with an `error` or `skipped` cell (scenario not reached), or whose environment
-cannot be built, is untestable and skipped as `git bisect skip` does. A probe on the newer endpoint's
-side has flipped: it runs again, and a probe whose two runs disagree is flaky, hence untestable too.
-
-Probes run whole families and go to the probe store `history` fills (stackcheck.commands.releases.probes), and a
-candidate the store already holds (same environment, family definitions and platform) is answered from
-it: a bisect over a range that `history` swept runs only the flake checks. A flipped probe's second run is
-always run anew, never answered from the store (which holds its first run, or an earlier one).
+Every other library stays pinned to a base set; each candidate gets its own environment (`<base>+<package>==<version>`).
+A probe is good when its verdicts equal the good endpoint's; an `error`, `skipped` or flaky probe is skipped, as
+`git bisect skip` does; probes come from the store `history` fills. The rules: docs/internals.md,
+"commands/releases/bisect.py"; how to run it: docs/running.md.
 """
 
 from __future__ import annotations

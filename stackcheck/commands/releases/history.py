@@ -1,18 +1,9 @@
 """`stackcheck history`: every release of one package in a range, the other libraries pinned to a base set,
 through every family: the compatibility map (results/history-<package>.json, with .md and .png beside it).
 
-Probes go through the store `bisect` and `watch` read too (results/probes.json, stackcheck.commands.releases.probes):
-a release already probed with the same environment, family definitions and platform is not run again, so
-a re-run with nothing changed ends in seconds, a crash loses only the releases in flight, and a new release
-runs alone; a release whose environment does not build (its wheels not there yet) is listed as not probed
-and tried again next time. Environments
-build ahead of the probes on their own threads (uv shares one cache between them), and `--jobs` probes run
-side by side; every probe records how many ran beside it, since that changes its seconds.
-
-A family's state at a release is, per test, its verdict (`fixed` as `pass`, as bisect counts it), its bug,
-and its signature with numbers blanked (a measured error is not a new signature). A transition is a
-release whose state differs from the release before it: a verdict transition changes a verdict or bug
-(what bisect searches for), a signature transition only a signature.
+Probes go through the store `bisect` and `watch` read too, so a re-run with nothing changed ends in seconds; a
+transition is a release whose state (verdict, bug, signature with numbers blanked) differs from the one before it.
+How: docs/internals.md, "commands/releases/history.py"; measured sweeps: docs/history-runs.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Probes: one version set run through some families, kept in a store that `history` and `bisect` share,
 so that neither runs a probe the other (or an earlier run) already ran.
 
-A probe is known by its key: what its environment installs (`envs.environment_requirements`: the pins,
-torch's source, the test requirements), the platform facts that choose a code path (`probe_platform`) and
-the lanes. The store (results/probes.json) holds one entry per key with its family cells, the
-fingerprint of the family definitions they ran under, the installed versions, what the run cost (lane.run_timed)
-and how many probes ran beside it. An entry answers a later probe of the same key and fingerprint for any
-families it holds; a run under other definitions replaces it. Every probe is written the moment it ends
-(atomically), so a crash loses only the probes in flight.
+A probe is known by its key (what its environment installs, the platform facts that choose a code path, the lanes);
+the store (results/probes.json) holds one entry per key, answers a later probe of the same key and family
+definitions, and is written the moment each probe ends. The key and entry: docs/internals.md, "commands/releases/probes.py".
 """
 
 from __future__ import annotations

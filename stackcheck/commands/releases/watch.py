@@ -1,18 +1,9 @@
 """`stackcheck watch`: what the newest releases change, found and explained with nobody asking (the
 scheduled CI job runs it).
 
-1. The newest release of each library (the package index, or `--releases FILE` for an offline or test
-   index) against the recorded `latest` set: the candidate is `latest` with every newer release pinned.
-2. The gate: both sets through every family, compared by `gate.compare`. A family whose verdicts, bugs or
-   signatures differ has flipped.
-3. For each flipped family and each package that moved, bisect that package's releases between the two
-   pins, the other libraries pinned to `latest`. A package whose new release alone does not flip the
-   family says so (its endpoints do not differ).
-4. The answers go to the output folder's summary.md and to the CI job summary.
-
-Every probe goes through the probe store (stackcheck.commands.releases.probes): kept between scheduled runs, it
-means a release is probed once per family definitions, by the gate, by a bisect, or by `history`.
-Exit code: 1 on a regression, as `gate`; else 0.
+The newest releases against the recorded `latest` set through the gate; for each flipped family, a bisect of each
+package that moved; the answers in summary.md and the CI job summary. Every probe goes through the probe store.
+Exit code: 1 on a regression, as `gate`; else 0. The steps: docs/internals.md, "commands/releases/watch.py".
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """`stackcheck repro`: an issue-ready folder for a failing cell, checked by running it.
 
-For each cell (a set and a family test id, or every failing cell of a matrix.json) it writes
-`<output>/<set>/<test>/` with `repro.py` (stackcheck.commands.triage.repro_script: standalone, no stackcheck import),
-`environment.md` (the versions and platform facts the verdict was recorded with) and `issue.md` (title,
-script, trace tail, expected against actual, the ledger's upstream references, and the library the evidence
-points at). Then it runs `repro.py` in the cell's own environment and says whether it fails with the cell's
-signature (its exception type and first message line); `check.txt` keeps that run's output.
-
-Loaded by pytest as a plugin (`-p stackcheck.commands.triage.repro`), it writes a test's parameters and fixtures for the script.
+For each cell it writes `<output>/<set>/<test>/` with a standalone `repro.py` (stackcheck.commands.triage.repro_script),
+`environment.md` and `issue.md`, then runs `repro.py` in the cell's own environment and says whether it fails with
+the cell's signature (`check.txt` keeps that run's output). Loaded by pytest as a plugin
+(`-p stackcheck.commands.triage.repro`), it writes a test's parameters and fixtures for the script. Each file:
+docs/internals.md, "commands/triage/repro.py"; docs/running.md.
 """
 
 from __future__ import annotations

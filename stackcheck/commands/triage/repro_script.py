@@ -1,12 +1,9 @@
 """The standalone `repro.py` of one family test: its code and exactly the helpers it reaches, with no stackcheck import.
 
-The script is cut from the sources the verdict came from, not written by hand: the test function, the
-module-level definitions of its family module it uses, and the transitive closure of the `scenario`, `tiny`
-and `hostinfo` definitions they call. The helpers call each other by bare name; the test reaches them through
-`scenario.x` as in our code (a namespace per module). The tiny fixtures travel inline (`FIXTURES`), and the
-tiny checkpoints are built in a temporary folder instead of stackcheck's cache. The test's parameters come from
-pytest's own collection (`stackcheck.commands.triage.repro`); its fixtures are the few the families use (`FIXTURE_VALUES`).
-So the script calls the libraries exactly as the family test does.
+The script is cut from the sources the verdict came from, not written by hand (the test function, the definitions
+it uses and the transitive closure of the helpers they call), with the tiny fixtures inline and the test's
+parameters from pytest's own collection: so it calls the libraries exactly as the family test does. How it is cut:
+docs/internals.md, "commands/triage/repro_script.py".
 """
 
 from __future__ import annotations

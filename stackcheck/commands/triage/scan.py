@@ -1,11 +1,8 @@
 """`stackcheck scan MODEL [ADAPTER]`: a preflight of a user's model folder and adapter, on the meta device.
 
-The model is built from its `config.json` on meta (no weights are read), quantized the way `from_pretrained`
-would (transformers' own quantizer, from the `--quantization` JSON of a BitsAndBytesConfig), and read for what
-breaks the seed user's stack before any download or load: device-map keys that name no module, skip-list
-entries that keep nothing, LoRA targets on wrapper types PEFT rejects (asked of PEFT itself), 4-bit layers the
-device map puts on a CPU whose bitsandbytes packed path rejects their widths, Gemma 4's KV sharing across the
-map's devices, and the ledger's known bugs for the installed versions (`doctor`).
+The model is built from its `config.json` on meta (no weights are read) and quantized the way `from_pretrained`
+would, then read for what breaks the seed user's stack before any download or load, and for the ledger's known bugs
+of the installed versions (`doctor`). What it checks: docs/internals.md, "commands/triage/scan.py"; docs/running.md.
 """
 
 from __future__ import annotations

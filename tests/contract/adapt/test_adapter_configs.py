@@ -1,37 +1,10 @@
 """The adapter configurations users ship train, save every trained tensor, and reload to the trained outputs.
 
-The user's journey, step 2: the adapter is more than plain LoRA. Configurations, by their names in PEFT, as an axis
-covered by pairs with the architecture and the base's quantization (NF4 with `prepare_model_for_kbit_training`,
-and bf16):
-- `lora`: plain LoRA on the adapter fixture's targets;
-- `modules_to_save=["lm_head", "embed_tokens"]`: the head and the input embeddings trained as full copies (on a
-  model with tied embeddings PEFT handles the pair itself: whatever it does must still save and reload);
-- `use_dora=True`: DoRA, on the 4-bit base too (its magnitude is computed from the dequantized weight);
-- `use_rslora=True`: rsLoRA's scaling, alpha / sqrt(r).
-
-Properties, after one AdamW step from a non-zero initialisation on the adapter fixture's targets in the first and
-the last decoder layer (`scenario.train_adapter`; the ends of every tiny model's pattern of layer kinds):
-- every trainable tensor of the configuration got a finite, non-zero gradient, and the trained adapter changes the
-  outputs (against the same model with the adapter disabled);
-- `save_pretrained` writes every trained tensor: the saved file holds an exact copy of each (found by value, so no
-  naming convention of PEFT's is assumed; the head's and the embeddings' copies included);
-- `PeftModel.from_pretrained` onto a fresh base, prepared as the trained one was, reproduces the trained model's
-  logits.
-The trained adapter is kept for the merge contract (`merge_effect` merges it rather than training it again).
-
-Upstream: unsloth#9331 (the head and the embeddings named for training, silently left untrained), peft#2809 and
-PR #2825 (Gemma 3's embedding scale not applied to trainable tokens), peft PR #2847 (DoRA on a 4-bit base broken
-between releases), peft PR #3418 (device mismatch in DoRA's bitsandbytes dequantization), peft#2566 and
-transformers#38927 (adapter keys missing after a model's refactor: the adapter silently absent on reload).
-
 Precondition proven: the base is NF4 with nested quant state (or bf16 with no 4-bit layer); PEFT built what the
 configuration asks for (a DoRA magnitude on every LoRA layer, rsLoRA's scaling, trainable copies of the head and
 of the embeddings); the adapter changes the outputs before the round trip is judged.
 
-Tolerance: the reloaded model's logits within 1% of the adapter's effect (||reloaded - trained|| / ||trained -
-disabled||). Measured (CPU lane, seed and latest): the round trip is exact (0.0000) in every cell; the trained
-adapter changes the logits by 0.65 to 1.42 of their norm (up to 3.4 with the head's copy trained); a save that
-leaves out the head's copy fails the saved-tensor check (the guard test).
+The journey, properties, upstream and tolerances: docs/family-notes.md#adapter_configs.
 """
 
 import pytest

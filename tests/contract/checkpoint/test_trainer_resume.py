@@ -1,42 +1,10 @@
 """Contract, checkpoint: a QLoRA run that transformers' Trainer resumes from its checkpoint in a fresh process
 continues exactly as the run that was never interrupted.
 
-The user's journey: `Trainer(...).train()` on a 4-bit base with a LoRA adapter saves `checkpoint-2` (the adapter,
-the optimizer's state, the learning-rate scheduler's, the RNG states, the trainer state); the job dies; a new process
-builds the same run and calls `trainer.train(resume_from_checkpoint="checkpoint-2")`. Fresh means a process that never
-trained: it holds nothing of the run but what the checkpoint holds. Plain pytest starts a new one for each cell; the
-matrix commands hand the resume to the worker's warm resume process, which imported the libraries once and resumed
-other cells before (stackcheck.process.resume; tests/harness/test_resume_process.py: the same Record, bit for
-bit, as a new process).
-
-The property, against the same run trained 4 steps in one go: the resumed process begins at the checkpoint's step
-with the checkpoint's adapter and a loaded (non-empty) optimizer state; the losses of steps 3 and 4 (the next step's
-first), the adapter after them and the optimizer's state at the end are the uninterrupted run's. What makes each
-part matter: LoRA dropout (the RNG state), distinct samples shuffled by the Trainer (the batches a resume skips),
-the linear schedule at lr 1e-2 (the scheduler's step), Adam's moments (the optimizer's state).
-
-Bugs of this shape it catches: a checkpoint without the optimizer or RNG state, or a resume that silently skips
-loading them (DeepSpeed PR #7786: bf16 optimizer state neither saved nor loaded, resume lost Adam's moments); an
-adapter that a resume does not load or loads under other keys (peft#2822, transformers#38927's key mapping: the
-adapter silently at its initialisation); a data loader that does not skip the trained batches (accelerate PR #4071);
-a loss that jumps after a resume (unsloth#5037); and for bitsandbytes' 8-bit optimizers, 8-bit state that does not
-survive `state_dict`/`load_state_dict`.
-
-Axes, covered by pairs with the architecture: the Trainer's `optim` (`adamw_torch`; `paged_adamw_8bit`, the QLoRA
-paper's, whose state is 8-bit for the LoRA tensors of 4096 elements and more: LoRA rank 64 in its cells). A cell costs
-the run and a second process (imports, load, two steps): 20 s on 2 shared cores for the tiny Llama 3, so the CPU lane
-runs a pick of cells, CPU_CELLS, and the GPU lane every one.
-
 Precondition proven: the base is NF4 with nested quant state; the Trainer saved `checkpoint-2` at step 2 (its trainer
 state says so); with `paged_adamw_8bit`, the optimizer's state is 8-bit (uint8) for some LoRA tensors.
 
-Judged by: the relative error of each loss and of each optimizer state tensor, and for each LoRA tensor its distance
-from the uninterrupted run's against the distance that run moved it after the checkpoint; at most 1e-3 each, on both
-lanes (a GPU's atomics, in a mixture of experts' index_add say, may change the last bits; a resume that loses part of
-its state is off by a good part of a step). Measured on the CPU: 0.0 in every cell, seed and latest (bit-exact: the
-resumed process runs the same kernels on the same inputs; docs/contract-train-checkpoint.md). With one part of
-checkpoint-2 broken (tiny Llama 3, latest, adamw_torch), the worst LoRA tensor is off by 0.50 of its movement with
-another RNG state (step 3's loss by 3.6e-3), 0.67 with the scheduler back at step 0, 3.1 without optimizer.pt.
+The journey, the property, the bugs it catches, axes and the judgement: docs/family-notes.md#trainer_resume.
 """
 
 import pytest

@@ -1,72 +1,7 @@
 """A data-parallel QLoRA job trains at the world size it was launched with, and its update is the one-process update
 on the whole global batch.
 
-Properties:
-- **The Trainer trains at the launched world size, gradients all-reduced.** `accelerate launch` with DDP
-  (`fixtures/distributed/ddp.yaml`), FSDP2 or ZeRO-3, then `transformers.Trainer` with plain SGD, a constant rate and
-  no clipping, one step of one sequence a rank. The ranks see different sequences, so a rank that trained alone (no
-  all-reduce), a job that ran on one process, or a loss scaled by the world size moves the LoRA weights otherwise than
-  one process's SGD step on every rank's sequence at once (users' symptoms: transformers#34191 and #35839 on the
-  loss's scaling across devices; a Trainer quietly training one process, accelerate#2434).
-- **DDP QLoRA through `accelerate launch` matches one process.** The bare loop users write (`Accelerator`, `prepare`,
-  `accelerator.backward`) on a 4-bit base loaded with `device_map={"": local_rank}`, as the bitsandbytes and PEFT
-  guides write it, and with `device_map="auto"`, which users also pass: three SGD steps, each rank its own sequence.
-- **`device_map="auto"` under DDP: the same steps, or a clear refusal before any.** Where "auto" keeps the base on one
-  device (the CPU lane; a rank that sees one GPU) it is the rank's map and must train as one process. Where it splits
-  the base across devices (a rank that sees several GPUs: transformers' "auto" balances the model over all of them),
-  DDP cannot replicate the model, and accelerate refuses it in `prepare` (`Accelerator.verify_device_map`: an
-  `hf_device_map` of more than one entry, in any distributed mode): "You can't train a model that has been loaded with
-  `device_map='auto'` in any distributed mode. Please rerun your script specifying `--num_processes=1` or by launching
-  with `python {{myscript.py}}`." That refusal is the maintainers' answer (accelerate#1802: "You need to remove
-  `device_map="auto"` if you want to use DistributedDataParallel"; PR #1810 made it this explicit error; transformers
-  PR #38942 keeps "auto" from turning into tensor parallelism in a distributed run) and what a demanding user wants:
-  it comes at `prepare`, before any step, and says what was wrong. So the cell expects it there: a `ValueError` from
-  `prepare` whose message names `device_map='auto'` and the distributed mode passes (the message is the cell's
-  result); any other refusal, one of a base on one device, or a split base that `prepare` accepts and then trains
-  otherwise than one process, fails.
-  Measured on two H200s (both sets, before this expectation): every auto cell, world sizes 1 and 2, met that refusal
-  at `prepare` (at world size 1 too: `accelerate launch` with the DDP config keeps its distributed mode for one
-  process, so the advice to rerun with `--num_processes=1` does not apply there; launching with `python` does). Not
-  re-run on a GPU since; the cell's result records the base's devices and the refusal.
-- **One process that sees two GPUs** (the Trainer's `n_gpu > 1`, `python train.py` on a two-GPU host): the same step
-  as one process on one GPU. The Trainer multiplies the batch by `n_gpu` but leaves a 4-bit model out of
-  `torch.nn.DataParallel` ("quantized models do not support DP", `Trainer._wrap_model`, transformers PR #45407):
-  measured on two H200s, both sets, the model stays a PeftModel on one GPU, which then takes both sequences. The
-  Trainer still scales the loss for DataParallel's mean over replicas (`compute_loss`: `loss *= n_gpu` where
-  `average_tokens_across_devices`), so the loss and the update come out `n_gpu` times one process's
-  (`trainer_ngpu_quantized_loss_scaled`; the factor is in the failure's message). Measured on the CPU with
-  `TrainingArguments._n_gpu` set to 2 after its device setup (research, not this cell): the update is 2.00 times one
-  process's and the logged loss 11.07 against 5.54, on seed and latest.
-
-Precondition proven: `TrainingArguments.world_size`, the process group's size and `WORLD_SIZE` are the launched world
-size; the Trainer took one step; the sequences the ranks' data loaders gave them are the dataset, each once, none on two
-ranks; `prepare` gave DDP's module (or FSDP2's, or DeepSpeed's engine at stage 3); the single-process Trainer ran with
-`n_gpu == 2`, a batch of 2, one step, both sequences in it, with the model wrapped in DataParallel or not (either is
-the Trainer's choice; the cell records which).
-
-Every sequence's first label is -100 (`recipes.labelled`): no causal LM loss predicts the first token, and the
-Trainer's count of label tokens is then the same before and after the shift, so transformers 5.6.2's count before
-it (train_equivalences' `trainer_num_items_unshifted`, an (L-1)/L scale) does not show here as this family's failure.
-
-Tolerance: the update (weights after - before, over the LoRA weights one process moves) against one process's, by
-relative error: 1e-3. A rank that trained alone, or a loss scaled by the world size, is off by order 1 (a 2x scale is
-0.5). The global mean over sequences of one length is the mean of the ranks' means, but not in the same arithmetic:
-one process's forward of the whole batch runs its bf16 GEMMs in other shapes than a rank's forward of one sequence,
-and on a GPU cuBLAS then takes other kernels, whose bf16 roundings differ. The two-GPU run of session 13 (H100s,
-seed) read 0.0022 for accelerate's DDP loop at world size 2 (three SGD steps at rate 0.05) against one forward of the
-whole batch; latest read under 1e-3. Not the all-reduce: the sum of two ranks is one addition per element, the same
-whichever rank comes first. What the shapes can move is bounded by the bf16 compute's own effect, measured in one
-process on the CPU (seed, the same three steps): the update with bf16 compute is 0.025 off the update with fp32
-compute, so two bf16 computations may differ by up to 0.05, too wide a band to judge a data-parallel job by. So the
-DDP loop's reference is one process computing the same mean in the ranks' shapes (`one_process_sgd(per_sequence=True)`:
-each sequence its own forward, its loss over the batch size, the gradients accumulated): the ranks' kernels, halves
-exact in binary, the all-reduce's one addition the only difference left (on the CPU the two references differ by
-1.5e-6). The cell's result records its update against one forward of the whole batch too. The Trainer cells take one
-step and compare with one forward of the whole batch (they passed wherever they stepped, on both sets).
-
-CPU lane: the Trainer cell under DDP (two gloo ranks, 30 to 45 s on 2 shared cores). The Trainer under ZeRO-3 (DeepSpeed's
-CPU accelerator) and accelerate's DDP loop run on the CPU too, left out of the default run for their cost
-(STACKCHECK_DIST_CPU=all runs them); the Trainer under FSDP2 is GPU only (on a CPU host accelerate makes it DDP).
+Properties, preconditions, tolerances and the lanes: docs/family-notes.md#data_parallel_training.
 """
 
 import os
@@ -183,7 +118,7 @@ def ddp_steps(device_map: str, launched: int) -> dict:
     except ValueError as refusal:
         if device_map != "auto" or len(devices) == 1 or not CLEAR_AUTO_REFUSAL.search(str(refusal)):
             raise
-        # "auto" split the base across devices: refused before any step, saying why (the module's docstring).
+        # "auto" split the base across devices: refused before any step, saying why (docs/family-notes.md#data_parallel_training).
         return {"refused_at_prepare": str(refusal), "base_devices": devices}
     scenario.require(world_size == 1 or isinstance(model, torch.nn.parallel.DistributedDataParallel),
                      f"prepare gave {type(model).__name__}, not DDP's module")

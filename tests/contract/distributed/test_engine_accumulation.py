@@ -1,59 +1,6 @@
 """Gradient accumulation under the DeepSpeed engine: k micro-batches make the update of one batch of the same tokens.
 
-Property, launched as users launch it (`accelerate launch` with fixtures/distributed/zero.yaml naming the cell's
-DeepSpeed JSON; a QLoRA model: NF4 base in uint8 storage on the rank's device at stages 0 to 2, bf16 storage at stage
-3 as the PEFT guide writes it; torch's SGD as the client optimizer), at ZeRO stage 0, 1, 2 and 3, the engine in fp32
-or bf16, with and without `offload_optimizer` (stages 1 and 2, `zero_force_ds_cpu_optimizer: false`: the client
-optimizer steps the offloaded fp32 partition, so DeepSpeed's CPU Adam op is not needed), and at stage 1 with bf16 and
-`data_types.grad_accum_dtype: fp32` (DeepSpeed's BF16_Optimizer):
-- every rank trains MICRO_BATCHES micro-batches of one sequence each, a sequence of its own per rank and micro-batch,
-  then the engine takes one optimizer step;
-- every rank holds the same LoRA weights after it (the ranks step from one reduced gradient);
-- the LoRA update (weights after - before) is one process's SGD step on every rank's sequences at once (the global
-  batch: the same tokens).
-Two drivers: `accelerate`, accelerate's documented loop (`with accelerator.accumulate(model)`, `accelerator.backward`,
-`optimizer.step`, `optimizer.zero_grad`; `gradient_accumulation_steps: 3` in the JSON, which accelerate adopts; under
-DeepSpeed accelerate marks the boundary with the engine's `set_gradient_accumulation_boundary` and the engine steps at
-it); `boundary`, the engine's own API as RL trainers drive it (OpenRLHF, open-instruct): `gradient_accumulation_steps:
-1`, `set_gradient_accumulation_boundary` False until the last micro-batch, `engine.backward(loss / k)`, `engine.step()`.
-
-Plain SGD, a constant rate, no clipping: the update is the learning rate times the gradient, so a micro-batch lost, or
-a gradient scaled, shows with its factor as the update's scale along one process's (`recipes.update_scale`), which the
-failure names and the ledger judges. Bugs of this property (docs/recall.md rows 47, 48, 50, 51): ZeRO-2 with
-`offload_optimizer` copies a micro-batch's gradient to the CPU only at micro_step 0, so with three or more micro-batches
-the middle ones are dropped (deepspeed#7967; with two nothing is lost); with `gradient_accumulation_steps: 1` and several
-backwards a step only the last one's gradient is kept (deepspeed#7981); ZeRO stage 0 with bf16 divides the gradients
-by a loss scale of 65536 the loss never had (deepspeed#7839); ZeRO-1 with bf16 and fp32 accumulation adds the boundary
-micro-batch's gradient after the cross-rank all-reduce (deepspeed#7985). And one found here: from 0.18.3 to 0.19.5 the
-engine divides the gradient by k at each output of the forward it flows through, the loss and the logits of a
-transformers model, so stages 0 to 2 step 1/k of the update (`deepspeed_output_hooks_scale_gas_twice`).
-
-Precondition proven on every rank: DeepSpeed's engine at the asked stage, bf16 on or off as asked, its
-`gradient_accumulation_steps` (and accelerate's) the cell's, the optimizer offloaded (its `cpu_offload`) or not, the
-accumulation dtype fp32 where asked (the engine's optimizer is recorded: BF16_Optimizer there on 0.19.8); the boundary
-flag False for every micro-batch but the last and True there; exactly one optimizer step (`global_steps`); the ranks'
-micro-batches are the global batch, each sequence once; the job runs at the launched world size.
-
-Tolerance: the update against one process's, by relative error over the LoRA weights one process moves. fp32 engine:
-the mean over sequences of one length is the mean of the ranks' means, summation order only; bf16 engine: the LoRA
-runs in bf16 (DeepSpeed casts the module) against one process's fp32 LoRA. Measured on the CPU (two gloo ranks, seed,
-deepspeed 0.19.8, every cell): fp32 0.0 to 1.5e-7, bf16 0.0075 to 0.0077 (update scales 0.9983 to 1.0): 0.03.
-The ranks' weights agree: 1e-6 (0.0 measured at stage 0; every cell of 0.19.8 within it). A micro-batch dropped or
-a gradient scaled by 1/k is order 1/k (k = 3).
-
-Measured on the CPU (two gloo ranks, seed with the deepspeed release pinned): 0.19.8 and 0.19.6 pass; 0.19.5, 0.18.9
-and 0.18.4 step 0.3334 (fp32) and 0.3336 (bf16) of the update at stages 0 to 2 (the output hooks), 0.18.2 passes (stage 0, fp32); stage 0
-bf16 steps 5.09e-06 (1/65536/3) on 0.18.4 and 0.18.5; ZeRO-2 offload 0.2063 on 0.18.4 (the middle micro-batch dropped,
-times 1/3; ZeRO-1 offload keeps it: 0.3336, its reduction runs at the boundary only); the boundary driver 0.3553 on
-0.18.4 (only the last backward kept). The stage-1 fp32-accumulation cell steps 0.3349 on 0.18.5 and 0.18.9: the hooks'
-1/k masks deepspeed#7985 on every release that has it. On 0.18.9, ZeRO-1/2 steps over gloo fail in torch 2.13's
-`all_gather_into_tensor` ("Output 0 of Split is a view and is being modified inplace"), the CPU lane only.
-
-CPU lane: every cell runs on two gloo ranks (DeepSpeed's CPU accelerator; offload copies to the same CPU, through
-DeepSpeed's own offload code), all of them left out of the default CPU lane for their cost (STACKCHECK_DIST_CPU=all
-runs them): a cell takes 25 s on 2 shared cores and 40 s under a load of 5 (ZeRO-2 bf16 offload, measured), over the
-20 s the family may add to CI; with deepspeed 0.19.8 (the sets' release) they show nothing the GPU lane does not.
-`DEFAULT_CPU_CELL` names one to put back in the default run.
+The property, preconditions, tolerances, measurements and the lanes: docs/family-notes.md#engine_accumulation.
 """
 
 from __future__ import annotations

@@ -1,38 +1,11 @@
 """The adapter a sharded QLoRA job trained, gathered and saved, merges into the base as the same adapter does in one
 process.
 
-Property (the distributed journey's last step: train sharded, save the adapter, merge it into the base, ship the
-merged model), under FSDP2 (`fully_shard`, the 4-bit weights in bf16 storage), launched as users launch it:
-- the job trains STEPS AdamW steps and saves the adapter the user's way, through
-  - `accelerate`: `accelerator.unwrap_model(model).save_pretrained(dir, state_dict=accelerator.get_state_dict(model))`,
-    accelerate's documented save of a sharded model (get_state_dict gathers the full state dict from the ranks);
-  - `trainer`: `Trainer.save_model` after `trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")`,
-    as PEFT's FSDP-QLoRA example does before its final save (fsdp2.yaml checkpoints in SHARDED_STATE_DICT);
-- every rank also gathers the trained adapter weights straight from the shards (`DTensor.full_tensor`);
-- then, in one process: the saved adapter loaded onto a fresh bf16 base (`PeftModel.from_pretrained`), merged
-  (`merge_and_unload`) and saved (`save_pretrained`), reloaded from its safetensors, must equal bit for bit the merge of
-  the gathered weights set into the same LoRA on a fresh bf16 base in one process, tensor by tensor.
-What this catches: a save that gathers only the rank's shard, drops or renames tensors (FSDP's wrapper prefixes in the
-keys, which PEFT then ignores with a warning and merges the initial, zero lora_B: a merge that does nothing), casts the
-fp32 LoRA weights, or saves on every rank over each other. Users' symptoms: merging LoRA weights trained under FSDP2
-fails (axolotl#3294); an adapter whose keys carry a prefix the model lacks loads nothing and merges nothing
-(peft#1579).
-
 Precondition proven: `prepare` gave an FSDP2 module (the Trainer trained one), the trained lora_B factors moved away from
 their zero initialisation (so a merge of the initial adapter would differ from the base's weights and from this one),
 the saved adapter holds every trained LoRA tensor, and the merged model is not the base (some weight changed).
 
-Judged bit for bit: the saved fp32 LoRA weights are the gathered ones or they are not, and both merges run the same
-PEFT code on the same CPU over the same values. (The merge contract's measures, stackcheck/harness/merge.py, judge a
-merge against the adapter it merges; here both sides are merges of the same weights, so nothing needs a tolerance.)
-
-GPU lane only. The Trainer's FSDP is a DDP job on a CPU host (accelerate). accelerate's save has no faithful gloo
-variant: on the CPU (seed, torch 2.13, FSDP2 over gloo as stackcheck.distributed.rank sets it up) `get_state_dict` hands
-back DTensors whose storage is invalid, every entry on both ranks (29 of 29, measured), and PEFT's save fails at
-safetensors' `storage_ptr`; on a GPU the state dict is gathered there and offloaded to the CPU. The one-process half was
-run on the CPU instead, on an adapter trained and saved in one process (seed): the saved adapter equals the
-trained weights, the two merges are equal tensor for tensor, 4 base weights changed, the saved merge lacks only the
-tied lm_head.
+The property, the judgement and the lanes: docs/family-notes.md#sharded_merge.
 """
 
 import os

@@ -1,57 +1,8 @@
 """The 4-bit weights under a sharding engine, for every `bnb_4bit_quant_storage` a user picks (uint8, bf16, fp32):
 the packed bytes survive sharding, and sharding saves what the user's arithmetic says.
 
-Properties, on FSDP1 (`use_orig_params`), FSDP2 (`fully_shard`) and, for memory, DeepSpeed ZeRO-3, launched as users
-launch them (`accelerate launch --config_file fixtures/distributed/<engine>.yaml`):
-- **The forward before any step equals one process's, bit for bit.** The same recipe, prepared by the engine, gives
-  the logits the model gives in one process on the same batch, `torch.equal`. An all-gather copies bytes: a packed
-  weight that comes back other than it went (a storage cast, a lost quant state, a re-quantization) shows here before
-  any optimizer could hide it. On every loading path users set in the config too (bf16 storage): FSDP1 with flat
-  parameters (`fsdp_use_orig_params: false`, with PEFT's wrap policy, as the Trainer sets it), FSDP1 and FSDP2 with
-  RAM-efficient loading (`fsdp_cpu_ram_efficient_loading: true`; FSDP1 then with `fsdp_sync_module_states`, which
-  broadcasts rank 0's parameters; FSDP2 loads rank 0's full state dict into the shards). One process's model is loaded
-  before the process group exists, so only the sharded model takes transformers' FSDP loading path.
-- **At rest, each rank holds about 1/world size of what the engine was told to shard.** The engine is told to shard
-  the whole model (FSDP wraps every decoder layer and the root, ZeRO-3 partitions every parameter), so the user's
-  arithmetic (`stackcheck.distributed.memory.users_arithmetic`) is every parameter's bytes / world size by part (the
-  4-bit weights, the other frozen parameters, the LoRA weights), the 4-bit quant states whole (they are attributes,
-  no engine shards them). FSDP1 shards each unit's flat parameter in contiguous slices, so one rank may hold all of a
-  unit's LoRA weights and the other more of its 4-bit weights (measured: 7168 and 0 LoRA bytes, 73728 and 76800
-  4-bit bytes, on the CPU's two ranks): there the parameters are judged by their sum. A part held above its share is a finding: the rank keeps it whole. Known to break it:
-  accelerate >= 1.14 leaves uint8 4-bit weights out of FSDP2's sharding (`ignored_params`, accelerate PR#3987, its fix
-  for accelerate#3983), so every rank holds them whole (`fsdp2_uint8_params4bit_unsharded`).
-
-Known bugs met on the way: FSDP1 refuses uint8 storage (`fsdp1_uint8_quant_storage`); FSDP2 on torch 2.11 with
-accelerate 1.13 refuses uint8 storage (`fsdp2_uint8_params4bit_requires_grad`); FSDP1 at world size 1 cannot step
-(not met here: no step before the forward); FSDP2's RAM-efficient loading of a 4-bit model fails at `prepare` on
-accelerate < 1.14 (`fsdp2_ram_efficient_loading_params4bit`).
-
-Recipes (`stackcheck.distributed.recipes.storage_model`): NF4 with double quant in the cell's storage on the tiny
-Llama 3; FSDP1 with a float storage casts every other float parameter to it (one dtype per flattened unit); ZeRO-3 loads
-without a device map. Precondition proven on every rank: every 4-bit weight is stored in the cell's dtype, `prepare`
-returned the engine's sharded module (an FSDP1 module, an FSDP2 module, DeepSpeed's engine at stage 3), and the
-memory cell runs at world size 2 (at 1 every rank holds everything by definition). A loading cell proves its options
-in force: accelerate's FSDP plugin has the config's `cpu_ram_efficient_loading`, `use_orig_params` and
-`sync_module_states`, transformers' FSDP loading path (`is_fsdp_enabled`) is on exactly where RAM-efficient loading is,
-and every FSDP1 unit has the config's `use_orig_params`.
-
-Judged by mechanism: no tolerance on the forward (bytes gathered are bytes sent, and the kernels are the same), and
-on memory 5% over each part's share for padding (FSDP2 pads dim 0 to the world size, ZeRO-3 the flat partition). A
-part held whole is 100% over at world size 2.
-
-Measured on two H200s (torch 2.11, both sets, world sizes 1 and 2): every forward that prepares equals one process's
-bit for bit (FSDP1 and FSDP2 in bf16 and fp32, FSDP2 in uint8 on latest; on the CPU, seed, FSDP2 bf16 and FSDP1 fp32
-too); at rest FSDP1 and FSDP2 in bf16 and fp32, and ZeRO-3 in every storage (uint8 included), hold their share; FSDP2
-in uint8 on latest holds every 4-bit weight whole (147456 bytes on each rank where the share is 73728). On the CPU
-(seed, accelerate 1.13, torch 2.13) FSDP2 shards the uint8 weights to exactly their share.
-
-Measured on the CPU (two gloo ranks, bf16 storage): FSDP1 with flat parameters bit-equal on seed and latest; FSDP2 with
-RAM-efficient loading fails at `prepare` on seed (accelerate 1.13.0) and is bit-equal on latest (1.15.0).
-
-CPU lane (CI): the memory cell of FSDP2 in uint8 storage (accelerate's exclusion, or on 1.13 its share) and FSDP2's
-RAM-efficient first forward (accelerate 1.13's failure), two gloo ranks each. The other cells' gloo variants reproduce
-nothing the GPU lane does not: left out of the default run (STACKCHECK_DIST_CPU=all runs them), FSDP1's RAM-efficient
-loading GPU only (accelerate's FSDP plugin asks an accelerator device for sync_module_states).
+Properties, known bugs met, recipes, the judgement, measurements and the lanes:
+docs/family-notes.md#sharded_quant_storage.
 """
 
 import pytest

@@ -1,59 +1,6 @@
 """A sharded QLoRA job the Trainer checkpointed resumes, in a fresh job, exactly where it stopped.
 
-Property, through `transformers.Trainer` launched by `accelerate launch`, under FSDP1 (`use_orig_params`, every float
-parameter in bf16 beside the bf16-stored 4-bit weights: FSDP1 flattens a unit into one dtype), FSDP2 (`fully_shard`,
-the 4-bit weights in bf16 storage), each with the state dict type users pick in the config (`fsdp_state_dict_type`
-SHARDED_STATE_DICT, as fsdp1.yaml and fsdp2.yaml write it, or FULL_STATE_DICT), DeepSpeed ZeRO-3 (the PEFT
-guide's recipe) and DeepSpeed ZeRO stage 0 with bf16 (zero.yaml naming the cell's DeepSpeed JSON, its "auto" entries
-filled by the Trainer, `bf16=True`; the 4-bit weights in bitsandbytes' uint8 storage, whole on every rank); the adapter a LoRA alone or a LoRA with a module trained whole (`modules_to_save`, the final norm):
-- a job trains 4 steps (AdamW, a sequence of its own for every rank and step), saving a checkpoint after step 2
-  (the adapter, the optimizer's moments, the scheduler, the RNG states, as the engine's state dict type says);
-- a fresh job resumes from that checkpoint (`train(resume_from_checkpoint=...)`) and trains steps 3 and 4;
-- every rank's adapter weights (the LoRA factors and the `modules_to_save` copy) after step 4, and the losses of steps 3
-  and 4, must equal the uninterrupted job's.
-Users' symptoms: a resumed PEFT run under FSDP or ZeRO-3 that restarts from the initial adapter or loses its optimizer
-state (transformers#24252, peft#2040, accelerate#3250), or fails to load its own checkpoint.
-
-Precondition proven on every rank: the engine is the one launched (an FSDP1 or FSDP2 module with the config's state
-dict type, or DeepSpeed's engine at stage 3, or at stage 0 with bf16), the adapter trains the module it was asked to save whole (a
-`modules_to_save` copy among the trained weights, or none), the first job wrote `checkpoint-2` and ended at step 4,
-and the resumed job took 2 steps of its own (a callback counts them) and ended at step 4. Before the losses, the
-resumed job's restored state is checked by itself (`restored_from_checkpoint`), so that a failure names what the
-checkpoint lost: once the Trainer has loaded checkpoint-2, the adapter (gathered) must equal the uninterrupted job's
-when it saved it, and every tensor the optimizer steps with elements on the rank must hold the step count the rank's
-optimizer held when the uninterrupted job saved (2; 3 at ZeRO stage 0 with bf16, whose wrapper, FP16_UnfusedOptimizer,
-steps the AdamW once on zero gradients at its creation to make its states): a moment the load left out has no state
-at all, or the fresh wrapper's one step.
-
-Tolerance: a resume restores the same bytes (weights, moments, scheduler, RNG and data order), so the resumed steps
-are the same computations: 1e-5 relative on every adapter weight and on each loss (room for a kernel's order on the
-GPU). Moments lost or the adapter restarted from its initial weights put the weights off by order 0.1 and more. The
-band holds on NCCL: the all-reduce of two ranks is one addition per element, the same whichever rank comes first, and
-on two H100s (session 13) every cell whose checkpoint restored everything passed within it (ZeRO-3 with both
-adapters, FSDP2 sharded, FSDP2 full on latest, FSDP1 full LoRA on seed). Each cell that failed it had lost a state,
-measured on the CPU with the Trainer given the FSDP state accelerate gives it on a GPU host (research; two gloo ranks,
-torch 2.13): the losses of the first two-GPU run (0.0024 for FSDP1 on latest, 0.0012 for FSDP2 full on seed, below
-5e-5 for FSDP1 sharded on seed) are those of an adapter restarted from its initial weights (lora_B zero: relative error
-1.0), of a rank whose half of the adapter was not loaded, and of AdamW's moments and step count started afresh.
-
-Known bugs met on the way: DeepSpeed 0.18.0 to 0.18.4 neither save nor load the optimizer's state at stage 0 with
-bf16 (`deepspeed_zero0_bf16_optimizer_state_not_checkpointed`, deepspeed#7786): on 0.18.4 (CPU, two gloo ranks, the LoRA
-cell) the resumed AdamW holds the step count 1.0 where the uninterrupted one saved 3.0; 0.18.5 and 0.19.8 restore
-3.0 and resume exactly (0.0 on the adapter and the losses). FSDP1 at world size 1 cannot step (`fsdp1_no_shard_frozen_root_tied`); PEFT 0.21's
-adapter state dict is empty under FSDP1's nested units, so the checkpoint holds no adapter
-(`peft_fsdp1_nested_adapter_state_dict_empty`); accelerate loads no optimizer moments for FSDP1's sharded state dict
-(`accelerate_fsdp1_sharded_optimizer_not_loaded`); accelerate < 1.15 loads FSDP2's full state dict on rank 0 only
-(`accelerate_fsdp2_full_state_dict_rank0_adapter`, and with `modules_to_save` the KeyError of
-`accelerate_fsdp2_full_state_dict_rank0_modules_to_save`). FSDP1's full state dict with `modules_to_save` hangs at the
-first checkpoint: rank 0 alone, in the Trainer's `_save`, has PEFT enumerate the `modules_to_save` copy's keys with its
-`state_dict()`, and the Trainer's FSDP1 wrap policy (PEFT's own) made that copy an FSDP unit, so rank 0 starts a
-full-state-dict all-gather that rank 1 never joins (a hang on NCCL; on gloo, rank 0 aborts on the size mismatch). A hang
-is an `error` whatever the ledger knows.
-
-CPU lane: the ZeRO-3 and ZeRO-0 cells run on two gloo ranks (DeepSpeed's CPU accelerator), left out of the default
-run for their cost (two jobs a cell, 60 to 90 s of CI's 2 cores each; ZeRO-0 with bf16 and a LoRA 48 to 126 s on
-2 shared cores, as their load went; STACKCHECK_DIST_CPU=all runs them); the FSDP cells are GPU only: on a CPU host
-accelerate makes the Trainer's FSDP a DDP job.
+The property, preconditions, tolerances, known bugs met and the lanes: docs/family-notes.md#sharded_resume.
 """
 
 from pathlib import Path

@@ -1,62 +1,8 @@
 """Switches a sharded QLoRA job takes from one-process training must not change its steps: non-reentrant gradient
 checkpointing, and bitsandbytes' optimizers.
 
-Properties, launched as users launch them, the 4-bit weights in bf16 storage (the storage the engines shard):
-- **Non-reentrant checkpointing under a sharding engine gives one process's steps** (FSDP2, ZeRO-3). The mode most
-  users now get by default (transformers 5 made it the default, PR #43203); under ZeRO-3 a recompute sees parameters
-  partitioned again (empty) where the first forward saw them gathered, the metadata check of `torch.utils.checkpoint`'s
-  non-reentrant mode compares them (users' symptom: `CheckpointError: torch.utils.checkpoint: Recomputed values for
-  the following tensors have different metadata than during the forward pass`, deepspeed#4595, transformers#28499).
-- **bitsandbytes' 8-bit AdamW and paged AdamW under a sharding engine step as they do in one process** (FSDP1 with
-  `use_orig_params` and every float parameter in bf16, FSDP2, ZeRO-3). Under FSDP the optimizer steps each
-  parameter's local shard (a DTensor under FSDP2); under ZeRO-3 it steps the rank's flat fp32 partition.
-
-8-bit AdamW under ZeRO-3, by mechanism. bitsandbytes quantizes both moments per block of 256 consecutive values of the
-tensor it steps, each block with its own absmax. In one process that tensor is a LoRA factor; under ZeRO-3 it is the
-rank's flat partition: every parameter's slice of `partition_numel()` = ceil(numel / world size) elements, one after
-the other (deepspeed/runtime/zero/stage3.py, `_create_fp16_partitions_with_defragmentation`). The tiny Llama 3's LoRA
-factors hold 512, 512, 512 and 256 values a layer: at world size 1 every block lies inside one factor, as in one
-process; at world size 2 the slices hold 256, 256, 256 and 128, so after the first 128 every block straddles two
-factors (half of a v_proj lora_B beside half of the next layer's q_proj lora_A) and quantizes both with one absmax, the
-larger factor's. That is inherent to stepping a flat partition, not a bug, and it is why the first two-GPU run of
-latest read 0.058 at world size 2 against the one-process 8-bit run (0.0 at world size 1). So the reference of a
-ZeRO-3 8-bit cell is bitsandbytes' own 8-bit AdamW in one process over the same blocks: the LoRA laid out as the
-engine lays it out on every rank (`zero3_layout`, read from the engine and proven equal, bit for bit, to the rank's real
-flat fp32 partition before the first step), each rank's flat tensor stepped by one AdamW8bit with the one-process
-gradient (the ranks train the same batch, so ZeRO-3's averaged gradient is that one). Measured on the CPU (latest,
-bitsandbytes 0.50.2's CPU kernels, two gloo ranks, 3 steps): the ZeRO-3 run equals that reference bit for bit (relative
-error 0.0) while it differs from the one-process 8-bit run by 0.030; 8 blocks straddle two factors; the quantization's
-own effect is 0.034 over ZeRO-3's blocks against 0.018 over the factors' (a block mixing two factors quantizes the
-smaller one coarsely).
-
-Precondition proven on every rank: `prepare` gave the engine's module; every decoder layer runs under gradient
-checkpointing in non-reentrant mode (its checkpoint function's `use_reentrant` is False); the optimizer the engine
-steps is bitsandbytes' and, for 8-bit AdamW, holds uint8 states, judged for the job: some rank holds them and every
-tensor a rank holds elements of has them (under FSDP1 at world size 2 rank 1's shard holds no LoRA element, see
-`require_8bit_states`) (`min_8bit_size=1`: the tiny model's LoRA tensors are
-below bitsandbytes' default 4096 elements, so without it they would get 32-bit states, unlike a full-size model's).
-
-Tolerance: both ranks train on the same batch, so the averaged gradient is one process's. Checkpointing recomputes
-the same operations: 2e-3 as in `zero3_lora` (reduction order over NCCL). Paged AdamW keeps 32-bit states element by
-element: 2e-3. 8-bit AdamW against the same blocks in one process: a gradient that differs in its last bits (NCCL's
-reduction order) can move a value across a code of the 8-bit map, by at most one quantization step, so the sharded run
-may differ by at most the quantization's whole effect on the same blocks (that reference against torch's AdamW, same
-steps, measured on every rank) or 2e-3, whichever is larger. A step skipped or a state reset is order 1. FSDP1 and
-FSDP2, whose local shards are not laid out here, keep the one-process 8-bit run as reference, within twice the
-quantization's effect in one process (a shard boundary off a multiple of 256 also changes the blocks).
-
-Measured on two H200s (torch 2.11, world sizes 1 and 2): non-reentrant checkpointing matches one process under FSDP2
-and ZeRO-3 on both sets (the CPU, seed, two gloo ranks, FSDP2: relative error 0.0). Under FSDP2 both of bitsandbytes'
-optimizers fail at the first step, on both sets (`bnb_8bit_optimizer_fsdp2_dtensor`, `bnb_32bit_optimizer_fsdp2_dtensor`).
-Under ZeRO-3: paged AdamW within 0.0017 (seed) and 0.0 (latest); 8-bit AdamW against the one-process 8-bit run (the
-reference before the layout) 0.0044 and 0.010 on seed (world sizes 1 and 2), 0.0 and 0.058 on latest.
-
-Known bugs met on the way: FSDP1 at world size 1 cannot step (`fsdp1_no_shard_frozen_root_tied`: torch turns
-FULL_SHARD into NO_SHARD and its second forward asserts, on both H200 sets and both optimizers).
-
-CPU lane: every cell's gloo variant runs where bitsandbytes has a CPU kernel for the optimizer's update (0.50 has both;
-0.49 has the 32-bit one only, so the 8-bit cells are GPU only there), left out of the default run for its cost
-(STACKCHECK_DIST_CPU=all runs them): their CPU variants reproduce nothing the GPU lane does not.
+Properties, preconditions, tolerances, measurements, known bugs met and the lanes:
+docs/family-notes.md#sharded_training.
 """
 
 import pytest

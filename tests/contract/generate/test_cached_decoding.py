@@ -3,32 +3,10 @@ forward of the same sequence without a cache (what uncached decoding computes at
 that a near-tie cannot fork the two), on every architecture, with the dynamic and the static cache
 (`cache_implementation="static"`), on the bf16 and the 4-bit base, alone and through a PeftModel.
 
-The user's journey: inference after (Q)LoRA training, `generate` with its default cache or a static one, which users
-pick for compiled decoding. The bug family `cache_parity` checks the same on Gemma 4 alone; its building blocks
-(`scenario.cached_and_full_logits`, `scenario.share_past_the_first`) are shared here.
-
-Upstream bugs it catches, and which the ledger names here by the same message: transformers#45242 (Gemma 4's
-KV-shared layers without a cache, 5.5.0 and 5.5.1: `gemma4_uncached_kv_sharing`), bitsandbytes PR #1949 (on CUDA a
-one-token 4-bit decode took another kernel than prefill before 0.50: `bnb_decode_kernel_divergence`).
-
 Precondition proven: `generate` returned the cache the cell asks for (a static one for `static`); the base is NF4
 with nested quant state for the 4-bit cells; the adapter changes the outputs for the PeftModel cells.
 
-Tolerance: 0.01 relative error, judged by where the divergence sits (`share_past_the_first`: all of it past the
-first position for a decode-only kernel, about (n - 1) / n for a forward wrong at every position). Measured on the
-CPU: 0.0000 in every cell, seed and latest, seven architectures; cache_parity measured the bugs at 0.43 to 0.53
-(5.5.1) and 0.0135 to 0.0298 (CUDA, bitsandbytes < 0.50). Sequences stay under 16 tokens, where torch's CPU bf16
-attention switches kernels (cache_parity). Multimodal Gemma 3 through its PeftModel (all-linear targets) is the
-exception: 0.0080 on the CPU in bf16 with either cache (seed), all of it past the first position, 0.0 without the
-adapter, and 6.8e-7 with the same weights in fp32: the cache's logic is right, and the adapter's path for one token
-rounds otherwise in bf16 than for the full sequence. On two H100s it measured 0.0121 (static cache, seed and latest).
-So a bf16 cell past 0.01 is judged by bf16's rounding on its machine (`bf16_rounding_bound`): the same cell in fp32
-must decode exactly (within 1e-4), and the bf16 cell may then differ by twice what bf16's rounding does to the full
-forward of its own sequence. Measured on the CPU with the tolerance lowered to 0.001 to reach it (seed, multimodal
-Gemma 3 with its adapter, static cache): the fp32 cell 6.76e-7, bf16's rounding of the full forward 0.017, so a bound
-of 0.034 against the cell's 0.0080. On one H100 (2026-11-27) the GPU cell passes on seed and latest (a passing
-cell's measured numbers are not recorded).
-The bitsandbytes bug is filed by the base's kind in the message: "4-bit base" cells only.
+The journey, upstream and tolerances: docs/family-notes.md#cached_decoding.
 """
 
 import pytest

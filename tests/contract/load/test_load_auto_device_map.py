@@ -1,53 +1,7 @@
 """transformers' own `device_map="auto"` with `max_memory`: a quantized model that fits the budget is not spilled, and
 a placement under a budget keeps to it.
 
-The property (the user's journey, step 1, load, with a memory budget): `from_pretrained(..., quantization_config=...,
-device_map="auto", max_memory={0: budget, "cpu": ...})`.
-- A budget that holds the quantized model (1.5x its footprint, while less than its bf16 size) keeps all of it on the
-  main device: no module offloaded, nothing on meta. A map sized as if the weights were bf16 would spill it.
-- A budget that does not hold it (0.9x its footprint) offloads the rest, and the bytes placed on the main device stay
-  within the budget; the placed model computes the same logits as the model on one device.
-The main device is GPU 0 in the GPU lane (the overflow goes to the CPU, with its whole memory) and the CPU in the CPU
-lane (the overflow goes to disk: accelerate's same hooks, one level down, as `scenario.offload_device` says).
-bitsandbytes refuses any offload without `llm_int8_enable_fp32_cpu_offload`, which both cases set, so a spill reads
-as this family's failure with the map, not as that refusal.
-
-Bytes are measured on the placed model: accelerate's `compute_module_sizes` of the modules mapped to a device
-(parameters and buffers as stored, packed for 4-bit), plus the 4-bit layers' scales (absmax, nested with double
-quant), which parameter sizes leave out; the code tables, a constant 1 KiB a layer, are left out as the NF4 arithmetic
-leaves them (`scenario.bytes_on`; counted, they are a quarter of the tiny Gemma 4 and the map, which does not plan for
-them, reads as 11% over a 0.9x budget). The footprint is the same measure on the model loaded on the main device alone.
-
-Upstream bugs of this kind: a map sized at bf16 before quantization, spilling a model that fits in 4-bit (axolotl
-PR #3512); reserved-but-unused CUDA memory counted late, different maps on the same hardware (transformers PR
-#44565); `compute_module_sizes` missing leaf parameters, wrong maps (transformers PR #42290); MoE layers sized from
-the first no-split layer, maps over budget (transformers#46823, PR #47203).
-
-The same call, made again once the first model is released (a loop that reloads the model, an evaluation after
-training), gives the same map on the tight budget: the placement is a function of the model and the budget alone. In
-the GPU lane the second call sees the CUDA memory the first left reserved but unused in torch's caching allocator
-(proven before it runs): the state transformers PR #44565 counted too late, so that the same model and hardware got
-different maps. The CPU lane has no caching allocator: there it checks that nothing else carries over between calls.
-
-Axes, by pairs with the architecture: NF4 (double quant, bf16) and int8 (bf16); the budget that fits and the one that
-does not. Precondition proven, before the logits are compared: the tight placement kept part of the model on the main
-device (it offloaded the rest, or the budget check has failed). The fitting budget is also below the bf16 size, so that it tells a 4-bit plan from a 16-bit one, except where
-most of the model stays in bf16 anyway (an int8 mixture of experts, whose fused experts bitsandbytes does not
-quantize): printed per cell.
-
-Tolerances: bytes placed / budget <= 1, the budget itself; the placed model's logits against the model on one device
-within 1e-3 relative (the same weights through the same kernels: measured 0.0 on every tight cell, seed and latest;
-a layer lost or mis-restored by an offload hook is off by far more). The same weights: where transformers leaves the
-modules it maps off the main device unquantized (a dict map under `llm_int8_enable_fp32_cpu_offload`), the model on one
-device leaves them unquantized too (`same_layers_quantized`); where it quantizes them on the device the map names (the
-CPU, from a GPU) and their LLM.int8 codes part from the main device's at half steps, it holds the placed model's codes,
-at most one step from its own, with equal scales (`same_weights`, printed per cell: the GPU's tight int8 cells, 0.0013
-on tiny Gemma 4 and 0.0103 on multimodal Gemma 3 against the model's own rounding, latest, are what it is for; not yet
-rerun). Measured on the CPU lane, seed and latest alike:
-the fitting budgets (1.5x footprints of 0.22 to 1.8 MB) kept every model whole; under the tight ones transformers put
-4% (tiny Mixtral) to 62% (tiny Gemma 3) of the budget on the CPU and the rest on disk. The int8 cells that offload to
-disk meet three bugs this family found (ledger `int8_auto_map_disk_scb_popped`, `int8_offload_quantizes_on_gpu0`
-on a host with no GPU, `int8_offload_cpu_branch_reads_scb_first` on one with a GPU).
+The property, upstream, axes and tolerances: docs/family-notes.md#load_auto_device_map.
 """
 
 import gc

@@ -1,46 +1,6 @@
 """Every weight the user's `BitsAndBytesConfig` asks to quantize is quantized, as asked, on every layer kind.
 
-The property (the user's journey, step 1, load): after `from_pretrained(..., quantization_config=BitsAndBytesConfig(
-load_in_4bit=True, ...))` (or `load_in_8bit=True`), every weight of two or more dimensions is held by a bitsandbytes
-layer with a real quantization state, except what is kept in 16 bits by design: embeddings, the output head, MoE
-routers, convolutions, the model's `_keep_in_fp32_modules` and the modules the user's `llm_int8_skip_modules` names
-(read as a user reads it: a module's full name covers what is inside it). "As asked": a 4-bit layer holds packed
-codes with a quant state of the asked type (NF4 or FP4), with or without double quant, its shape, and computes in
-the asked dtype; an 8-bit layer holds int8 codes and one scale per row. What the skip list names stays unquantized.
-A failure names what was left in 16 bits, by layer kind (`model.layers.*.self_attn.o_proj`), not only how much.
-
-This generalises the `quantized_experts` family (fused experts, one layer kind) to every layer kind, and makes
-quantization an axis, covered by pairs with the architecture (`stackcheck.child.axes`): NF4 and FP4, double quant
-on and off (LLM.int8 has none: its cells load as without it), the model's dtype which is also the compute dtype
-(bf16, fp16, fp32), 8-bit beside 4-bit, and the skip list (`scenario.SKIPS`: transformers' defaults, or the user's
-own list with the head, which a user's list must repeat, `skip_modules_drop_default_skips`, beside: the first decoder
-layer's attention by its full path, in a hybrid model the first attention of each kind, Qwen3-Next's
-`layers.0.linear_attn` and `layers.3.self_attn`; inner linear layers by bare name, `q_proj` and `v_proj`; a module
-whose name is a string prefix of its sibling's, Qwen3-Next's `layers.0.mlp.shared_expert` beside
-`layers.0.mlp.shared_expert_gate`, not applicable where no model module has such a sibling).
-
-Where the user's list skips layers, PEFT must see what the loader built: LoRA on every linear layer of the decoder (of
-a copy of the loaded model) checks that each skipped layer's base is a plain `nn.Linear` in 16 bits (a
-`lora.Linear`) and each other one a bitsandbytes layer, then runs a forward through the adapter. A layer replaced by a
-bitsandbytes class whose weight stays in 16 bits (the loader and the module replacement reading the list differently:
-bitsandbytes#1634's `'Parameter' object has no attribute 'SCB'`, unsloth#4208's "lora Linear4bit whose weight is
-16-bit") fails one of the two.
-
-Bugs of this kind (upstream): fused experts left in bf16 under load_in_4bit (bitsandbytes#1849, transformers 5;
-ledger `bnb_fused_experts_unquantized`); `load_in_8bit` with a skip list naming inner projections
-(bitsandbytes#1634); skip lists that match nothing (ledger `skip_modules_match_nothing`) or more than they name (an
-entry that is a sibling's prefix also skips the sibling: transformers PR #47990, ledger `skip_modules_sibling_prefix`,
-met here on Qwen3-Next); a VLM's skip list spelled as its checkpoint's keys (unsloth#4208); pre-quantized projections loading as packed uint8 with no quant state
-(unsloth#10276).
-
-Precondition proven: the load went through transformers' bitsandbytes quantizer with the config asked, and the model
-has weights meant for quantization. No tolerance: the property is structural. Measured (CPU, seed and latest, 21 cells
-a set): every layer kind of the dense architectures and Gemma 4 (towers included) quantized as asked, the skip list
-honoured; the tiny Mixtral and Qwen3-MoE keep their fused experts in the model's dtype on every quantization, 4-bit and
-8-bit (`bnb_fused_experts_unquantized`). The `inner` and `sibling` skip lists (CPU, seed, every architecture, 36
-cells): honoured and wrapped by PEFT as asked, except Gemma 4's towers, whose bare `q_proj` names a Gemma4ClippableLinear
-container and not the `linear` inside it (`skip_modules_match_nothing`), and Qwen3-Next's `shared_expert_gate`, left
-in 16 bits by the entry `model.layers.0.mlp.shared_expert` (`skip_modules_sibling_prefix`, transformers 5.0 to 5.20).
+The property, the bugs it catches and preconditions: docs/family-notes.md#load_quantized_layers.
 """
 
 import pytest

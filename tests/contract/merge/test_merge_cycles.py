@@ -1,33 +1,10 @@
 """Repeated `merge_adapter()` / `unmerge_adapter()` cycles leave the base where one cycle leaves it.
 
-The user's journey, step 5, as RL trainers run it: to hand the current policy to a generation engine, TRL's GRPO
-(and others) merge the LoRA into the base, read the weights, and unmerge, at every weight sync. PEFT merges in
-place, in the base weight's own format: `W + dW` rounded to bf16 (or re-quantized to NF4), then `- dW` rounded
-again. If that rounding does not cancel, every sync moves the frozen base a little, and the drift compounds over
-a run: the model being trained is no longer base + adapter.
-
-Property: after twenty cycles the base weight under the LoRA layer is no further from where it started than one
-cycle can leave it: one merge's rounding and one unmerge's, i.e. at most twice one merge's rounding
-(||W_merged - (W + dW)|| over ||dW||, in fp32; NF4 weights dequantized). The adapter is a LoRA on the first module
-the adapter fixture targets in the first decoder layer (`scenario.one_layer_adapter`): a 4-bit merge and unmerge
-re-quantize every merged layer, about a tenth of a second each on the CPU, so Gemma 4's 42 layers would take
-minutes; the drift is a per-layer mechanism.
-
 Upstream: trl#6688 (open: bf16 merge/unmerge drift compounds, 1000 cycles; fp32 flat), peft PR #3166 (the
 maintainers' answer: rounding in merge/unmerge "can never be avoided"), peft#2501 (merge_adapter on a 4-bit base
 in GRPO's weight sync).
 
-Precondition proven: the base is NF4 with nested quant state (or bf16 with no 4-bit layer); the adapter changes the
-outputs and adds a non-zero delta; every LoRA layer really is merged after `merge_adapter()` and unmerged after
-`unmerge_adapter()`.
-
-Measured (CPU lane, seed and latest; the base's drift after 20 cycles, in one merge's rounding): bf16 9.84 (Llama
-3, Qwen3, Phi-4: the tiny dense models start from the same random weights), 9.62 (Gemma 3), 9.30 (Mixtral,
-Qwen3-MoE), 3.17 (Gemma 4); NF4 4.93, 3.96 to 4.06, 3.55, 8.94 to 9.11 in the same order: every cell fails
-(`merge_unmerge_drift`). With the fixture's whole adapter on Llama 3, one cycle leaves the base 1.3 merge roundings
-away, ten 4.9, twenty 9.4 (bf16; NF4 1.05, 1.7, 3.6): the drift grows with the cycles. Judged by mechanism: the ratio says whether the rounding accumulates; a
-PEFT that restored the unmerged weight measures 0 and passes (the guard test), an unmerge that left a tenth of the
-delta behind measures above 40, beyond what rounding can do (a new failure).
+The journey, the property, preconditions and measurements: docs/family-notes.md#merge_cycles.
 """
 
 import math

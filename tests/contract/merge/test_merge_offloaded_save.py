@@ -1,33 +1,9 @@
 """A merge into a bf16 base that does not fit its memory budget works, saves, and reloads to the merged outputs.
 
-The user's journey, step 5, on a machine smaller than the model: the bf16 base loads with `device_map="auto"` and a
-`max_memory` it does not fit (the rest offloaded: to the CPU from a GPU, to disk in the CPU lane), the adapter goes
-on with the same budget (`PeftModel.from_pretrained(..., max_memory=...)`, so PEFT's redispatch offloads as the base
-was), `merge_and_unload` merges into layers whose weights live in an offload map, and `save_pretrained` writes the
-merged model, which a fresh `from_pretrained` on the main device loads.
-
-Properties: every parameter the same merge changes on one device is changed by the offloaded merge too (read through
-accelerate's hooks after the merge: a merge written where the forward does not read it leaves the base's value); the
-merged model keeps the adapter's effect (the merge_parity measure, against the adapter on the unsplit base); the saved
-model reloads to the merged model's logits.
-
-Found with it: PEFT's `onload_layer` writes a merge back into the offload hook's weights map for the wrapper's own
-`base_layer` only, so the fused experts under Qwen3-Next's nested ParamWrappers (all-linear wraps `gate_up_proj` and
-`down_proj`) lose their merge in every CPU-offloaded layer (one H100, latest: relative logit error 0.4496; on the CPU
-with accelerate's CPU-offload hooks, 0.4466 and 6 parameters lost), ledger `peft_offloaded_nested_param_merge_lost`.
-
-Upstream: transformers#47333 and #47332 (save_pretrained of a disk-offloaded model fails; fixed by transformers PR
-#47018), peft PR #3468 (PEFT's disk-offload index keyed wrongly: the adapter cannot load onto a disk-offloaded base,
-`peft_disk_offload_index_keys`, fixed in peft 0.21.0), and on mixtures of experts the offload index's per-expert
-names (`peft_disk_offload_converted_experts`, peft >= 0.21.0, unreported).
-
 Precondition proven: the base really was offloaded (its map names the offload device, and those modules sit on
 meta), and still is after PEFT's load; the adapter changes the outputs of the unsplit base.
 
-Tolerance: the merge as merge_parity's (10% of the adapter's effect); the reload 1% of the adapter's effect.
-Measured (CPU lane, latest: seed meets the PEFT bugs first): no merge lost (0 of the 4 to 38 parameters the merge
-changes); the offloaded merge 0.0086 to 0.0309 (kept 0.9995 to 1.0009), as the unsplit bf16 merge; the saved merge
-reloads exactly (0.0000) on every dense model.
+The journey, properties, what it found, upstream and tolerances: docs/family-notes.md#merge_offloaded_save.
 """
 
 import torch

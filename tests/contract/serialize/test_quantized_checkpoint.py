@@ -1,37 +1,10 @@
 """A quantized checkpoint reloads as the model that was saved: in the set that wrote it, bit for bit; in a later set
 (an upgrade, transformers 4 to 5 included), reproducing the writer's logits.
 
-The user's journey: load a model quantized by bitsandbytes (NF4 with or without double quant, FP4, LLM.int8), save
-it with `save_pretrained` (in several shards, as every real checkpoint is: `serialize.SMALL_SHARD`), and later load
-that checkpoint with `from_pretrained`, whose own `quantization_config` decides, nothing quantized again. On every
-architecture, a mixture of experts included (Mixtral, Qwen3-MoE).
-
-The upgrade: each set leaves the checkpoints it saved in the run's base-checkpoint exchange (`stackcheck.child.exchange`,
-kind `base`); a later set of the run loads its baseline's (`matrix --sets t4,latest`: transformers 4.57.6 writes,
-5.23.0 reads). A set that cannot build the architecture (t4 has no Gemma 4) says so, and the reading cell is
-not applicable; a checkpoint of a newer transformers major read by an older one is not applicable either.
-
-Upstream: transformers 5 fuses a mixture of experts' per-expert linears into 3-D parameters, which bitsandbytes does
-not quantize; a checkpoint transformers 4 quantized holds 4-bit (or int8) per-expert weights and a quantized router,
-and transformers 5.0.0 to 5.23.0 cannot load it (`v4_bnb_moe_checkpoint`: unslothai/unsloth#4032, worked around in
-unslothai/unsloth-zoo#856). Within a set, bitsandbytes#1946 (a state dict loaded back without its quant state) is
-the bug family `quantized_serialization`'s; its save_pretrained round trip (one file, NF4 with double quant) is the
-control this family widens.
-
 Precondition proven: the loaded model is quantized as the cell says (every bitsandbytes layer of that kind, quant
 type and nesting); the checkpoint is sharded with its index, says it is quantized and holds quantized weights.
 
-Tolerances. Within a set: exact. Every saved tensor is held bit for bit under its name, the same bitsandbytes
-layers come back and the logits are equal (`torch.equal`); measured so on the seven architectures, four
-quantizations, seed, latest and t4 (CPU). transformers 5 saves a mixture of experts in its original per-expert
-layout (`save_original_format`), so those tensors come back under other names: the logits decide for them.
-Across sets: 0.05 relative logit error, with every tensor held under its written name bit for bit. The tensors
-arrive unchanged, but the sets' CPU kernels compute them otherwise: t4 to latest, 4-bit 0.0069 to 0.0177 (Gemma 3
-the most), int8 0.0000; seed to latest, see docs/contract-serialize-generate.md. This set's own quantization of the
-same bf16 weights is printed beside it: identical for NF4 and int8 (0.0000 off the loaded checkpoint), while
-bitsandbytes 0.50 quantizes FP4 (0.021 to 0.048) and double quant (0.0026 to 0.0117) otherwise than 0.48: a
-checkpoint must keep what its writer quantized, which is why the reader loads it and does not re-quantize. A
-weight left at random initialization or mis-converted moves the logits by far more, or the load fails outright.
+The journey, the upgrade, upstream and tolerances: docs/family-notes.md#quantized_checkpoint.
 """
 
 import pytest

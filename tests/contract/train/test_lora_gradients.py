@@ -1,58 +1,8 @@
 """Contract, train: the gradient of a QLoRA step reaches every LoRA tensor, and it is the gradient checkpointing does
 not change, under each checkpointing mode, in bf16 and in fp16.
 
-The user's journey: load the base in 4-bit (NF4, double quant) in the precision of the run, PEFT's
-`prepare_model_for_kbit_training` (its fp32 upcast of every unquantized parameter; gradient checkpointing off, or on
-through transformers' `gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ...})`, which
-PEFT calls), `get_peft_model`, then steps in mixed precision as `Trainer(bf16=True)` or `Trainer(fp16=True)` runs
-them: the forward under `torch.autocast`, and in fp16 a `GradScaler` with its defaults (scaled loss, gradients
-unscaled before the step, a step with inf/NaN gradients skipped and the scale halved: the loop retries at the
-smaller scale, as training does). The optimizer is torch's AdamW without weight decay, so a LoRA tensor moves only
-by its gradient.
-
-The property, after one backward:
-- every LoRA tensor (each lora_A and lora_B) has a finite, non-zero gradient;
-- with checkpointing on, each LoRA gradient equals the one the same model computes with checkpointing off, on the
-  same weights and batch (transformers' `gradient_checkpointing_disable`): recomputation must not change what is
-  learned;
-and after the step: the scaler took it, every LoRA tensor moved, and the 4-bit base (weights and quant states,
-nested ones included) and every other frozen parameter are bit-identical.
-
-Bugs of this shape it catches ("gradient checkpointing should have no functional impact", transformers#26221): LoRA
-silently untrained under reentrant checkpointing when nothing makes the checkpointed layers' input require grad (transformers#42489, trl#3089: "element 0 of tensors does not require grad",
-or no error and frozen LoRA when something outside the layers trains); a recomputed forward that differs from the
-first one (peft#2826, PR #2860: aLoRA hooks not applied in the recomputation, wrong gradients; Gemma 4's KV sharing
-under reentrant checkpointing, `gemma4_reentrant_checkpointing_kv_sharing`: partial gradients, the loss unchanged);
-LoRA weights left in half precision that fp16's GradScaler refuses ("Attempting to unscale FP16 gradients"), or an
-upcast that leaves the base trainable; a frozen adapter (trl#4029, PR #4081: a second `prepare_model_for_kbit_training`
-froze the LoRA, grad_norm 0; unsloth#9331: targeted tensors never get a gradient).
-
-The LoRA tensors are those the text batch reaches (`scenario.lora_reached_by_text`): PEFT's default targets on an image
-model (Gemma 3 with its SigLIP tower) also wrap the tower's projections, which a text batch never runs.
-
-The LoRA weights are non-zero (`init_lora_weights=False`, seeded): with PEFT's default zero B, A's first gradient is
-zero by design and the first backward could not show that gradients reach A.
-
-Axes, covered by pairs with the architecture: checkpointing (off, reentrant, non_reentrant) x precision (bf16, fp16) x
-the base's quantization (NF4 with double quant; LLM.int8, `load_in_8bit=True`, whose layers must keep their int8 codes
-and row scales through the checkpointed recomputation: bitsandbytes#1927, the CB/SCB state broken on recompute). The
-frozen state compared after the step holds each int8 layer's row scales (SCB) too. Measured on the int8 cells (CPU,
-seed, every architecture): every LoRA gradient with checkpointing equals the one without (0.0000), the SCB unchanged;
-Gemma 4 under reentrant checkpointing meets its known bug as in NF4.
-
-Precondition proven: the base is NF4 with nested quant state (int8: every Linear8bitLt holds int8 codes and one scale
-per row); after `prepare_model_for_kbit_training` no floating
-parameter is left in half precision; every decoder layer ran with checkpointing on (off for `off`), read at its forward
-as transformers' `GradientCheckpointingLayer` decides by. Whether the backward recomputed them is the property's
-business, not a precondition: a checkpointed layer the gradient never reaches is not recomputed, and that is the bug
-(the count for the last layer is printed: 2 with checkpointing, 1 without).
-
-Tolerance: 0.01 relative error per LoRA gradient, as `checkpointing_kv_sharing`. Measured (CPU): 0.0000 in every cell
-that has no known bug, on every architecture, seed and latest, bf16 and fp16 (the recomputation runs the same kernels
-on the same inputs: bit-identical). Gemma 4 under reentrant checkpointing (its known bug, 46 of 76 tensors wrong)
-measures 0.729 (seed) and 0.727 (latest) in fp16, 0.712 in bf16 (latest). In fp16 the GradScaler's default scale (65536)
-overflows on the tiny Gemma 4 and Gemma 3 at the first backward and the retry at 32768 passes; every other architecture
-takes the first.
+The journey, the property, the bugs it catches, axes, preconditions and tolerances:
+docs/family-notes.md#lora_gradients.
 """
 
 import pytest

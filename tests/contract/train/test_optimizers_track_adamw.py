@@ -4,84 +4,7 @@ The user's journey: the QLoRA paper's optimizer, `optim="paged_adamw_8bit"` in t
 `adamw_8bit`, `paged_adamw_32bit`), instead of torch's AdamW, to save the optimizer state's memory. The user expects
 the same training, up to the 8-bit state's rounding.
 
-The property: from the same LoRA weights (PEFT's default initialisation, seeded) on the same 4-bit base and batch,
-STEPS steps of `bnb.optim.AdamW8bit`, `PagedAdamW8bit` or `PagedAdamW` (32-bit) with torch's hyperparameters (lr 1e-3,
-betas (0.9, 0.999), eps 1e-8, decoupled weight decay 0.01) leave every LoRA tensor where torch's `AdamW` leaves it,
-within the state's precision: per LoRA tensor, ||bnb - torch|| / ||torch - start|| (the error against the way the
-tensor moved) at most TOLERANCE[bits], over the elements an 8-bit state represents for the 8-bit optimizers (below).
-The LoRA tensors are those the text batch reaches (`scenario.lora_reached_by_text`). The loss trajectories are printed
-beside it.
-
-Bugs of this shape it catches: an update rule that is not AdamW's (weight decay coupled instead of decoupled,
-bitsandbytes PR #1993 for Lion; eps or bias correction placed differently), a state that is not updated or not
-dequantized with its own block's scale (bitsandbytes PR #1721: stale bits in blockwise codes), optimizer kernels
-missing on a device (`bnb_optimizers_cpu`: bitsandbytes < 0.50 has none on the CPU), a per-parameter override that is
-never seen (PR #1869: `test_adamw_8bit_honours_a_per_parameter_32bit_override`, AdamW8bit with one LoRA tensor set to
-32 bits by `GlobalOptimManager.override_config` after `register_parameters`; the releases with that bug have no CPU
-optimizer kernels, so it shows in the GPU lane only).
-
-Precondition proven: the 8-bit optimizers keep an 8-bit (uint8) state for every LoRA tensor and the 32-bit one a
-float32 state (bitsandbytes' `min_8bit_size` is set to 0, see `scenario.bnb_adamw`); torch's AdamW moved every LoRA
-tensor. Not reached on the tiny models: paging. bitsandbytes pages only the state of tensors of 1e5 elements or
-more on CUDA, and on the CPU falls back to non-paged buffers (with a warning), so the paged cells run the paged
-classes with ordinary buffers.
-
-The base computes in fp32 (bitsandbytes' default `bnb_4bit_compute_dtype`), not bf16: in bf16 a difference of one
-float rounding in the weights flips bf16 roundings in the next forward, and Adam, which normalizes each element's
-step, turns the tiny model's small gradients' noise into visible steps. Measured on the tiny Gemma 4 (latest, 3 steps):
-PagedAdamW (32-bit) against torch's AdamW 9.2e-2 in bf16, 4.8e-5 in fp32, while torch's own for-loop and foreach
-AdamW agree to the bit in both.
-
-What an 8-bit state represents: bitsandbytes quantizes Adam's moments blockwise (256 elements, one absmax each) on a
-dynamic 8-bit map, whose precision falls with the distance below the block's largest; an element whose gradient is
-orders of magnitude below its block's largest is quantized coarsely, and Adam, which normalizes each element's step,
-still gives it a full step. So the 8-bit optimizers are judged on the elements whose gradient scale (the square root of
-torch's second moment) is within DYNAMIC_RANGE (100) of the largest of their tensor; the error over every element is
-printed beside it. Measured: Qwen3-Next's in_proj_ba LoRA B (8 x 4, one block) has rows whose gradients span 1.3e-7 to
-5.2e-3; torch gives every row a step of about 3e-3, 8-bit AdamW the rows of gradients 1.3e-7 and 1.1e-6 about 1e-3:
-0.33 over every element, 0.013 over the represented ones.
-
-Tolerance, measured (CPU, latest; seed's libraries with bitsandbytes 0.50.0 give the same numbers on Llama 3 and
-Gemma 4; seed's bitsandbytes 0.49.2 has no CPU optimizer, its known bugs), worst LoRA tensor after 3 steps, per architecture in
-docs/contract-train-checkpoint.md: PagedAdamW (32-bit) 1.1e-6 (Llama 3, Qwen3) to 1.7e-4 (multimodal Gemma 3), every
-element; AdamW8bit and PagedAdamW8bit (identical on the CPU, which does not page) 0.0086 (Qwen3) to 0.017 (Gemma 4,
-multimodal Gemma 3) over the represented elements (0.016 to 0.33 over every element). TOLERANCE: 1e-3 for 32 bits, 0.1
-for 8 bits. A bitsandbytes step counter that does not advance (the guard) measures 0.45.
-
-The rounding floor of the device and model: how far torch's fused AdamW (another correct implementation of the same
-float32 arithmetic) lands from torch's default one; a cell allows FLOOR_FACTOR (10) times it where that exceeds
-TOLERANCE. Measured on the CPU (latest): floor 1.3e-6 (Llama 3) and 4.1e-5 (multimodal Gemma 3), against which
-bitsandbytes' PagedAdamW (32-bit) measures 0.86 and 4.1 times it (1.1e-6, 1.7e-4). On two H100s (seed, bitsandbytes
-0.49.2's CUDA kernel, before this floor) multimodal Gemma 3's PagedAdamW measured 1.3e-3, past 1e-3; its GPU floor is
-what the cell now prints.
-
-That GPU failure is not a change in bitsandbytes' kernel: kOptimizer32bit2State<float, ADAM> is the same source in
-0.49.2 and 0.50.1 and the same sm_90 machine code in the 0.49.2 and 0.50.2 wheels (libbitsandbytes_cuda130), whose
-0.50.2 passes. Both differ from torch's AdamW beyond rounding in two systematic ways: weight decay applied after the
-update (every step scaled by 1 - lr * weight_decay, 1 - 1e-5 here; bitsandbytes issue #2010, PR #2040 open; the CPU
-backend decays first, as torch does) and fast-math bias corrections (powf through approximate log2/exp2); eps * sqrt(1 -
-beta2^t) beside sqrt(v) is torch's denominator rearranged. Multimodal Gemma 3 amplifies such a uniform step change
-about 25 times, into one element (measured on the CPU with torch's AdamW at lr * (1 + d): d = ±1e-5 gives 2.8e-4 to 2.9e-4 with
-seed's libraries and 2.9e-4 to 4.0e-4 with latest's, d = 1e-4 gives 1.8e-3 and 2.4e-3; seed's floor 1.8e-5, latest's 4.1e-5;
-with seed's the worst tensor is layers.3 v_proj's LoRA A, the one the H100 flagged). The cell prints the worst element's share
-of its tensor's squared error and its bias-corrected |m|/sqrt(v) (CPU, latest: 1.00 and 0.64, the tensor's median 0.84):
-one element, and not one whose gradients cancel or sit near eps.
-
-So a 32-bit cell past its tolerance is judged beside a uniform scale of every step (`Run.step_scale`): the scale
-whose torch AdamW run lies nearest to bitsandbytes' weights (the deviation projected, over every LoRA tensor at once,
-on the direction torch's AdamW at lr x (1 + SCALE_PROBE) moves them), accepted up to STEP_SCALE (1e-4), and the
-worst LoRA tensor's error left beside it must be within the tolerance. Why such a scale is float32's arithmetic and
-not a bug of the update rule: at steps 1 to 3 with beta2 0.999, 1 - beta2^t cancels, so a relative error e of
-beta2^t (a fast-math powf off by a couple of float32 ulps, e about 2e-7) becomes about e / (1 - beta2^t), up to 2e-4,
-in the second moment's bias correction, half of it in the step; decay-after-update adds lr x wd = 1e-5. Measured on
-an H100 (2026-11-27, the fit run in every cell by lowering the tolerance; seed and latest, qwen3moe and qwen3next
-latest only, seed's PEFT cannot target them): the scale that fits is -3.9e-5 to -5.4e-5 on every architecture, and
-beside it the worst LoRA tensor's error is 3.0e-6 to 1.3e-5 on six of them, 1.2e-4 (Gemma 4), 1.6e-4 (Qwen3-Next)
-and 2.5e-4 to 2.7e-4 (multimodal Gemma 3, whose error without the fit is 1.25e-3 on seed and 8.4e-4 on latest).
-On the CPU, whose backend decays first in exact arithmetic, the fitted scales are 2e-8 to 5e-6 (latest, Llama 3,
-Gemma 4, multimodal Gemma 3, Qwen3-Next, with the tolerance lowered to reach the fit), and beside them multimodal
-Gemma 3's error falls from 1.7e-4 to 5.1e-5. An update rule that is another (a step counter that does not advance: scale 0.34) or a step scaled past float32's rounding (lr x (1 +
-2e-3): scale 2.0e-3) is judged on its error and fails (tests/harness/test_guards_train.py).
+The property, the bugs it catches, preconditions and tolerances: docs/family-notes.md#optimizers_track_adamw.
 """
 
 import functools
@@ -102,7 +25,7 @@ STEP_SCALE = 1e-4
 SCALE_PROBE = 1e-4
 # How far below its tensor's largest an element's gradient scale may be for an 8-bit state to represent it.
 DYNAMIC_RANGE = 100.0
-# bitsandbytes' default compute dtype: see the module's docstring for why not bf16.
+# bitsandbytes' default compute dtype: why not bf16, docs/family-notes.md#optimizers_track_adamw.
 COMPUTE_DTYPE = torch.float32
 
 

@@ -1,32 +1,10 @@
 """GRPO's weight sync pushes the merged weights W + dW and leaves the model as it was, sync after sync.
 
-The journey step: RL fine-tuning with trl's GRPOTrainer and vLLM generation on a LoRA (or QLoRA) model. Before each
-generation trl pushes the policy's weights to vLLM: PEFT's `merge_adapter`, the merged parameters read under vLLM's
-names, `unmerge_adapter` (`VLLMGeneration._iter_named_params`). Training then goes on from the unmerged model, so
-a merge or unmerge that does not give back what it took drifts the policy a little more at every sync.
-
-Driven here: trl's own sync generator on the model, without a vLLM engine (the only missing piece is the receiver;
-GRPOTrainer with use_vllm=False never syncs, so the trainer itself would not reach this code). The model is the
-architecture's tiny base, bf16 or NF4 with double quant, with the adapter fixture loaded trainable (its LoRA B is
-non-zero, as after training).
-
-The property, over `SYNCS` syncs on every architecture:
-- what is pushed for each LoRA layer's weight is W + dW: its change from W, projected on PEFT's own delta
-  (`get_delta_weight`), keeps the delta (`PUSH_KEPT_BAND`; for NF4 the pushed codes are read with the quant state
-  the layer held while they were pushed);
-- the syncs give the weights back: after the last sync every LoRA layer's base weight is W again
-  (`DRIFT_TOLERANCE` of the delta's norm, far above an fp32 merge's rounding and below one bf16 re-rounding). A drift
-  of one sync compounds over the thousands of syncs of a GRPO run (measured over 20 here: see the constants). The
-  logits' drift (a share of the adapter's effect on them) is reported beside it.
-
-Bugs of this class: merge or unmerge dropping, doubling or re-rounding the delta (peft's 4-bit unmerge re-quantizes
-W + dW - dW), adapters merged into the wrong layers, a sync that leaves the model merged. Upstream examples:
-huggingface/trl#2698 and #3205 (GRPO + PEFT + vLLM weight sync), huggingface/peft#2321 (4-bit merge rounding).
-
 Precondition proven: the base is NF4 with nested quant state (or bf16), the adapter changes the logits, and every
 LoRA layer's weight is among the pushed tensors.
 
-Tolerances (measured in docs/contract-trl-architectures.md): see the constants.
+The journey, how it is driven, the property, the bugs it catches and tolerances:
+docs/family-notes.md#grpo_weight_sync.
 """
 
 import torch

@@ -1,41 +1,11 @@
 """trl's SFTTrainer QLoRA recipe, the one most users copy, trains the adapter and leaves the 4-bit base untouched;
 the adapter it saves reloads to the outputs it trained.
 
-The journey step: fine-tuning with trl (`SFTTrainer(model=<4-bit base>, peft_config=LoraConfig(...),
-args=SFTConfig(...))`), which runs PEFT's `prepare_model_for_kbit_training` and `get_peft_model` itself, tokenizes
-the dataset, turns on gradient checkpointing (SFTConfig's default) and trains with transformers' Trainer; then
-`trainer.save_model()` and, for inference, `PeftModel.from_pretrained(<fresh 4-bit base>, <saved adapter>)`.
-
-The property, on every architecture (the tiny model, NF4 with double quant, the adapter fixture's LoRA targets, a
-dataset of fixed sentences built in memory with `datasets.Dataset.from_dict`, a word-level tokenizer built in memory):
-- every logged loss is finite, and every LoRA tensor moved;
-- the frozen 4-bit base (packed weights and quant states) is bit-identical after training;
-- the saved adapter, reloaded onto a fresh 4-bit base given the trained model's parameter dtypes and run in the
-  training's mixed precision (accelerate wraps the trained model's forward in its autocast), reproduces the
-  trained model's adapter effect (its logits minus its own adapter-disabled logits) within `ROUND_TRIP_TOLERANCE`;
-- reloaded onto the plain fresh 4-bit base, as users load it for inference, it keeps the trained effect's size:
-  the part of it along the trained effect is 1 within `RELOAD_TOLERANCE`.
-On an image model (Gemma 3 with its SigLIP tower) the dataset is conversational with an image per example
-(`messages` whose user turn holds an image, and `images`, as trl's vision-language SFT example has it), trl's vision
-collator runs the model's processor and chat template, and the batch carries pixel values.
-
-Bugs of this class (it would catch them, as a failure of one of the properties above): trl's SFT with a 4-bit base
-leaving LoRA untrained or training frozen weights, PEFT saving an adapter whose keys no longer match the model's
-module names (transformers 5's `model.language_model` prefix on multimodal models), and adapters that reload to
-other outputs. Upstream examples: huggingface/trl#2338 (QLoRA SFT loss), huggingface/peft#2880-style key renames.
-
 Precondition proven: the base is NF4 with nested quant state, the trainer wrapped it with LoRA on 4-bit layers,
 training ran its steps (the loss was logged), the trained adapter changes the outputs, and on an image model the
 image does (another image gives other logits).
 
-Tolerance: the plain reloaded model runs its norms in bf16, while the trained one has them in fp32
-(`prepare_model_for_kbit_training` upcasts them). That difference is the recipe's, not a bug's, and its size
-depends on the architecture and the kernels: the plain reload's effect differed from the trained one by 0.8 to 1.4%
-on the CPU (docs/contract-trl-architectures.md) and by 6.7% on Qwen3-Next on an H200, with 0.9979 of the effect
-kept. So the exactness is judged where the dtypes and the autocast match (the same weights, kernels and dtypes:
-equal up to `ROUND_TRIP_TOLERANCE`; measured 0.0000 on all nine tiny models on the CPU, seed and latest; without
-the autocast Qwen3-Next read 0.0157 on the CPU), and the user's plain reload by the effect it keeps, which a missing or misnamed tensor
-lowers and dtype noise, across the effect, does not.
+The journey, the property, the bugs it catches and tolerances: docs/family-notes.md#sft_qlora.
 """
 
 import torch
