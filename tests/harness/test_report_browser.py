@@ -214,6 +214,8 @@ def test_a_two_lane_run_of_48_families_fits_one_screen_too(chromium, data, tmp_p
     box = overview_box(tab)
     assert box["right"] <= 1400 and box["bottom"] <= 1000, box
     assert shown(tab, "#verdict-grid .cell") == len(mine["squares"]) and tab.evaluate("document.documentElement.scrollWidth") <= 1400
+    assert tab.evaluate("(el => el.scrollWidth <= el.clientWidth)(document.querySelector('#grid .scroll'))"), "the grid scrolls sideways"
+    assert len(set(tab.eval_on_selector_all("#verdict-grid table", "ts => ts.map(t => t.getBoundingClientRect().top)"))) == 1  # side by side
     context.close()
 
 
