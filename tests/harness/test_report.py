@@ -87,7 +87,46 @@ def test_the_page_is_self_contained(tmp_path):
     page = output.read_text()
     assert not re.search(r"<(script|img|iframe)[^>]+src=|<link[^>]+href=", page), "the page loads something from elsewhere"
     assert "Plotly.newPlot" in page and page.count("<script>") >= 2
-    assert len(re.findall(r'<td class="cell ', page)) == len(report.grid_model(results.load(SAMPLE), Ledger())["squares"])
+    assert len(re.findall(r'<a class="cell ', page)) == len(report.grid_model(results.load(SAMPLE), Ledger())["squares"])
+
+
+def test_every_square_has_one_place_in_the_strips(sample):
+    """Each family's squares are strips in one architecture order, the cells of no model last."""
+    grid = report.grid_model(sample, Ledger())
+    assert grid["archs"][:-1] == sorted(grid["archs"][:-1]) and grid["archs"][-1] is None
+    assert {(family, arch) for family, arch in grid["rows"]} <= {(f, a) for f in grid["families"] for a in grid["archs"]}
+    assert len(grid["families"]) == len({c.family for c in sample["cells"]}) > 24  # a full run: the grid in two blocks
+
+
+def test_the_changes_list_names_every_change_once(sample):
+    grid = report.grid_model(sample, Ledger())
+    found, lines = report.changes(grid), report.change_lines(report.changes(grid))
+    assert sum(line["count"] for line in lines) == len(found) and len(lines) < len(found)
+    assert [line["worse"] for line in lines] == sorted((line["worse"] for line in lines), reverse=True)  # regressions first
+    for change in found:
+        mine = [line for line in lines if line["family"] == change["family"] and change["lane"] in line["lanes"]
+                and change["arch"] in [arch for arch, _ in line["squares"]]]
+        assert len(mine) == 1 and (mine[0]["before"], mine[0]["after"]) == (change["before"]["verdict"], change["after"]["verdict"])
+
+
+def test_the_same_change_on_two_lanes_is_one_line(sample):
+    cells = list(sample["cells"]) + [c.replace(lane="gpu", test=c.test.replace("[cpu-", "[gpu-")) for c in sample["cells"]]
+    grid = report.grid_model({**sample, "cells": cells}, Ledger())
+    one_lane = report.change_lines(report.changes(report.grid_model(sample, Ledger())))
+    lines = report.change_lines(report.changes(grid))
+    assert len(lines) == len(one_lane) and all(line["lanes"] == list(results.LANES) for line in lines)
+    assert sum(line["count"] for line in lines) == len(report.changes(grid)) == 2 * len(report.changes(report.grid_model(sample, Ledger())))
+
+
+def test_each_bench_plot_has_a_panel_per_model_size():
+    """A tiny model's bars would vanish beside a realistic model's: each size is drawn on its own y axis."""
+    from stackcheck.bench import compare
+
+    bench = {path.stem: compare.load(path) for path in sorted(BENCH.glob("*.json"))}
+    figures = report.bench_figures(bench)
+    assert figures and all(figure["sizes"] == ["tiny", "realistic"] for figure in figures if len(figure["sizes"]) > 1)
+    memory = next(figure for figure in figures if figure["id"] == "bench-peak_allocated_bytes")
+    assert memory["sizes"] == ["tiny", "realistic"] and '"yaxis2"' in memory["html"]
 
 
 def test_a_failure_shows_its_detail(sample):

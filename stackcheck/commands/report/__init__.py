@@ -1,7 +1,8 @@
 """`stackcheck report`: one self-contained HTML page from the results it is given, for someone deciding whether an
-upgrade may land: the matrix as a grid of set x architecture x family coloured by verdict (with filters), each cell's
-tests with their upstream bug, ledger entry and repro command, the history sweeps as one heat map per package with
-each known bug's first bad and first fixed release, and the bench as plots.
+upgrade may land. Its first view fits one screen for a full run: what upgrading changes, then a family x (set, lane)
+grid whose squares are strips of one tiny cell per architecture (the worst verdict there), with filters kept in the
+URL. Below: each cell's tests with their upstream bug, ledger entry and repro command, the history sweeps as one heat
+map per package with each known bug's first bad and first fixed release, and the bench as plots.
 
 It reads results files (stackcheck.core.results, stackcheck.commands.releases.history, stackcheck.bench.compare check their shape)
 and the checkout's ledger; it imports no library under test. The page is rendered with jinja2 and its plots with
@@ -135,7 +136,8 @@ def grid_model(matrix: dict, ledger: Ledger) -> dict:
     columns = [(name, lane) for name in sets for lane in lanes if any(c.set_name == name and c.lane == lane for c in cells)]
     families = [f for f in ledger.families if any(c.family == f for c in cells)]
     families += sorted({c.family for c in cells} - set(families))
-    archs = list(dict.fromkeys(c.arch for c in cells))
+    # One fixed order for every strip: the architectures by name, the cells of no model last.
+    archs = sorted({c.arch for c in cells if c.arch}) + ([None] if any(c.arch is None for c in cells) else [])
     rows = [(family, arch) for family in families for arch in archs if any(c.family == family and c.arch == arch for c in cells)]
     squares: dict[tuple, dict] = {}
     for cell in cells:
@@ -154,7 +156,7 @@ def grid_model(matrix: dict, ledger: Ledger) -> dict:
         set_versions[name] = {package: entry[package] for package in PACKAGES if isinstance(entry.get(package), str)}
     set_counts = {name: {v: n for v in SEVERITY if (n := sum(c.verdict == v for c in cells if c.set_name == name))} for name in sets}
     return {"sets": sets, "columns": columns, "set_counts": set_counts, "rows": rows, "squares": squares, "versions": set_versions,
-            "device": {name: matrix["sets"].get(name, {}).get("device", "") for name in sets}}
+            "families": families, "archs": archs, "device": {name: matrix["sets"].get(name, {}).get("device", "") for name in sets}}
 
 
 def changes(grid: dict) -> list[dict]:
@@ -173,6 +175,31 @@ def changes(grid: dict) -> list[dict]:
                     found.append({"from": first, "to": later, "family": family, "arch": arch, "lane": lane, "before": before,
                                   "after": after, "worse": worse})
     return found
+
+
+def change_lines(found: list[dict]) -> list[dict]:
+    """The changes as the page lists them: one line per family, pair of sets, verdicts and bugs left or brought,
+    naming its architectures and the lanes where exactly these change; regressions first (the 80 changes of the
+    committed two-set CPU run make 35 lines)."""
+    lines: dict[tuple, dict] = {}
+    for change in found:
+        before, after = change["before"], change["after"]
+        gone = [bug for bug in before["bugs"] if bug not in after["bugs"]]
+        came = [bug for bug in after["bugs"] if bug not in before["bugs"]]
+        key = (change["from"], change["to"], change["family"], change["lane"], before["verdict"], after["verdict"], tuple(gone), tuple(came))
+        line = lines.setdefault(key, {**{k: change[k] for k in ("from", "to", "family", "worse")}, "lanes": [change["lane"]],
+                                      "before": before["verdict"], "after": after["verdict"], "gone": gone, "came": came, "squares": []})
+        line["squares"].append((change["arch"], after["id"]))
+        line["count"] = len(line["squares"])
+    merged: dict[tuple, dict] = {}  # the same change on every lane it shows on: one line
+    for (*head, lane, before, after, gone, came), line in lines.items():
+        key = (*head, before, after, gone, came, tuple(arch for arch, _ in line["squares"]))
+        if key in merged:
+            merged[key]["lanes"].append(lane)  # its links stay the first lane's squares
+            merged[key]["count"] += line["count"]
+        else:
+            merged[key] = line
+    return sorted(merged.values(), key=lambda line: not line["worse"])
 
 
 def bug_history(states: list[str | None], labels: list[str]) -> dict:
@@ -260,9 +287,18 @@ def history_figure(model: dict) -> str:
                           config={"responsive": True, "displaylogo": False})
 
 
+def history_width(model: dict) -> int:
+    """The narrowest the heat map is drawn (CSS px): room for the bug ids, a readable column per release and the
+    colour bar. A narrower screen scrolls the map inside its own box instead of squeezing it."""
+    return 7 * max((len(bug["id"]) for bug in model["bugs"]), default=10) + 14 * len(model["labels"]) + 160
+
+
 def bench_figures(bench: dict[str, dict]) -> list[dict]:
-    """One grouped bar chart per bench metric: the cases across, one bar per set (absolute numbers of one run)."""
+    """One grouped bar chart per bench metric, one bar per set (absolute numbers of one run), with a panel per model
+    size (its own y axis): a tiny model's bars would vanish beside a realistic model's."""
     import plotly.graph_objects as go
+    from plotly.colors import qualitative
+    from plotly.subplots import make_subplots
     from stackcheck.bench import compare as bench_compare
     from stackcheck.bench.report import METRICS
 
@@ -271,18 +307,27 @@ def bench_figures(bench: dict[str, dict]) -> list[dict]:
     cases = list(dict.fromkeys(key for summary in summaries.values() for key in summary))
     figures = []
     for metric, title, unit, scale in METRICS:
-        if not any(metric in summaries[name].get(case, {}) for name in names for case in cases):
+        mine = [case for case in cases if any(metric in summaries[name].get(case, {}) for name in names)]
+        if not mine:
             continue
-        figure = go.Figure()
-        for name in names:
-            values = [summaries[name].get(case, {}).get(metric) for case in cases]
-            figure.add_trace(go.Bar(name=name, x=cases, y=[v / scale if isinstance(v, (int, float)) else None for v in values],
-                                    hovertemplate=f"{name} %{{x}}: %{{y:,.1f}} {unit}<extra></extra>"))
-        figure.update_layout(barmode="group", height=340, margin={"l": 10, "r": 10, "t": 10, "b": 10}, template="plotly_white",
-                             yaxis_title=unit, legend={"orientation": "h", "y": 1.12})
+        sizes = list(dict.fromkeys(case.split("/", 1)[0] for case in mine))  # case keys are "<size>/<case>"
+        width = [sum(case.split("/", 1)[0] == size for case in mine) for size in sizes]
+        figure = make_subplots(rows=1, cols=len(sizes), subplot_titles=sizes, column_widths=width, horizontal_spacing=0.06)
+        for column, size in enumerate(sizes, 1):
+            here = [case for case in mine if case.split("/", 1)[0] == size]
+            for index, name in enumerate(names):
+                values = [summaries[name].get(case, {}).get(metric) for case in here]
+                figure.add_trace(go.Bar(
+                    name=name, x=[case.split("/", 1)[-1] for case in here], legendgroup=name, showlegend=column == 1,
+                    marker_color=qualitative.Plotly[index % len(qualitative.Plotly)],
+                    y=[v / scale if isinstance(v, (int, float)) else None for v in values],
+                    hovertemplate=f"{name} {size}/%{{x}}: %{{y:,.1f}} {unit}<extra></extra>"), row=1, col=column)
+        figure.update_layout(barmode="group", height=360, margin={"l": 10, "r": 10, "t": 40, "b": 10}, template="plotly_white",
+                             legend={"orientation": "h", "x": 1, "xanchor": "right", "y": 1.2})
         figure.update_xaxes(tickangle=-45, automargin=True)
-        figure.update_yaxes(automargin=True)
-        figures.append({"id": f"bench-{metric}", "title": title, "html": figure.to_html(
+        figure.update_yaxes(automargin=True, rangemode="tozero")
+        figure.update_yaxes(title_text=unit, row=1, col=1)
+        figures.append({"id": f"bench-{metric}", "title": title, "sizes": sizes, "html": figure.to_html(
             full_html=False, include_plotlyjs=False, div_id=f"bench-{metric}", config={"responsive": True, "displaylogo": False})})
     return figures
 
@@ -299,7 +344,7 @@ def render(matrix: dict, sweeps: list[tuple[str, dict]], bench: dict[str, dict],
     grid = grid_model(matrix, ledger)
     histories = [history_model(name, record) for name, record in sweeps]
     for model in histories:
-        model["figure"] = history_figure(model)
+        model["figure"], model["width"] = history_figure(model), history_width(model)
     plots = bench_figures(bench) if bench else []
     bug_ids = {bug for square in grid["squares"].values() for bug in square["bugs"]}
     bug_ids |= {bug["id"] for model in histories for bug in model["bugs"]}
@@ -314,7 +359,7 @@ def render(matrix: dict, sweeps: list[tuple[str, dict]], bench: dict[str, dict],
     template = environment.get_template("page.html.j2")
     libraries = [p for p in PACKAGES if any(p in v for v in grid["versions"].values())]
     return template.render(
-        grid=grid, changes=changes(grid), families=families, family_bugs=family_bugs, histories=histories, plots=plots, bugs=bugs, unknown_bugs=unknown, ledger=ledger,
+        grid=grid, changes=change_lines(changes(grid)), families=families, family_bugs=family_bugs, histories=histories, plots=plots, bugs=bugs, unknown_bugs=unknown, ledger=ledger,
         verdicts=SEVERITY, colours=VERDICT_COLOURS, words=VERDICT_WORDS, libraries=libraries,
         families_of={bug.id: ledger.families_of(bug) for bug in bugs}, repro=repro_command, slug=slug,
         total_cells=len(matrix["cells"]), plotly_js=get_plotlyjs() if (histories or plots) else "",
