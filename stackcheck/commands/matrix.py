@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 
 from stackcheck.core import results
 from stackcheck.core.cell import Cell
@@ -34,6 +35,7 @@ def run(args) -> int:
     if args.results.exists():
         results.load_checked(args.results)  # the sets record into it: a corrupt one would fail only after a build
     fail_on = exitcodes.parse_fail_on(args.fail_on) if args.fail_on is not None else exitcodes.rule(args.command).fail_on
+    assert fail_on is not None, "matrix and gpu-matrix take --fail-on: their rule has its default (exitcodes.COMMANDS)"
     gpu = args.command == "gpu-matrix"
     pools, pools_env = rank_pools(default=True)  # the two-rank cells on warm rank pools unless STACKCHECK_RANK_POOL=0
     if gpu:
@@ -75,7 +77,7 @@ def run(args) -> int:
     return failing_cells(cells, ledger, fail_on, incomplete)
 
 
-def failing_cells(cells: list[Cell], ledger: Ledger, fail_on: tuple[str, ...], incomplete: list[str] = ()) -> int:
+def failing_cells(cells: list[Cell], ledger: Ledger, fail_on: tuple[str, ...], incomplete: Sequence[str] = ()) -> int:
     """The exit code of a verdict command by the rule (stackcheck.runner.exitcodes): 1 when a cell (or an incomplete run,
     an `error`) is one of the `fail_on` outcomes, saying which and how many; else 0."""
     found: dict[str, int] = {}

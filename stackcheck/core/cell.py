@@ -109,8 +109,8 @@ class Cell:
                    data.get("ranks"), data.get("run"), data.get("detail"), {k: v for k, v in data.items() if k not in known})
 
     def to_dict(self) -> dict[str, Any]:
-        data = {"set": self.set_name, "family": self.family, "test": self.test, "lane": self.lane, "arch": self.arch,
-                "verdict": self.verdict, "signature": self.signature, "bug": self.bug, "note": self.note,
-                "seconds": self.seconds}
+        data: dict[str, Any] = {"set": self.set_name, "family": self.family, "test": self.test, "lane": self.lane, "arch": self.arch,
+                                "verdict": self.verdict, "signature": self.signature, "bug": self.bug, "note": self.note,
+                                "seconds": self.seconds}
         data |= {key: value for key, value in (("ranks", self.ranks), ("run", self.run), ("detail", self.detail)) if value is not None}
         return self.extra | data

@@ -14,7 +14,7 @@ from stackcheck import REPO_ROOT
 from stackcheck.core import hostinfo
 from stackcheck.core.cell import KEYS, LOST, Cell, arch_of, lane_of  # noqa: F401 - lane_of and arch_of are read from here too
 from stackcheck.core.locking import folder_locked
-from stackcheck.core.ledger import CONTRACT_DIR, FAMILIES_DIR, SEVERITY, SKIPPED, Ledger
+from stackcheck.core.ledger import CONTRACT_DIR, FAMILIES_DIR, SEVERITY, SKIPPED, Ledger, Verdict
 from stackcheck.core.versions import UsageError, load_sets
 
 LANES = ("gpu", "cpu")
@@ -174,7 +174,7 @@ def _taken_over(path: Path, data: dict, run_fingerprint: str) -> tuple[Path, dic
 def _set_entry(data: dict, path: Path, name: str, versions: dict[str, str], platform: dict[str, str] | None) -> None:
     """Record the versions and platform set `name` runs with in `data`. A set recorded before with other versions
     or on another platform loses all its cells, every lane's: none may stay listed under pins it did not run."""
-    entry = dict(versions)
+    entry: dict[str, str | dict[str, str]] = dict(versions)
     if platform:
         entry |= {"device": hostinfo.device_name(platform), "platform": platform}
     previous = data["sets"].get(name)
@@ -334,7 +334,7 @@ def _shape_problem(data) -> str | None:
 
 
 def worst(verdicts: list[str]) -> str:
-    return min(verdicts, key=SEVERITY.index)
+    return min(verdicts, key=lambda verdict: SEVERITY.index(Verdict(verdict)))
 
 
 VERSION_COLUMNS = ("python", "torch", "transformers", "peft", "accelerate", "bitsandbytes", "trl", "device")

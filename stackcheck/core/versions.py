@@ -52,7 +52,9 @@ class Pin:
         return f"{self.package}=={self.version}" if self.version else f"{self.package} @ {self.url}"
 
     def __str__(self) -> str:
-        return self.version or self.url
+        text = self.version or self.url
+        assert text, f"{self.package}: a pin has a version or a URL (parse_pin makes one of them)"
+        return text
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ def load_sets(path: Path = SETS_FILE) -> tuple[dict[str, VersionSet], str]:
         raise UsageError(f"{path} is not valid TOML: {exc}") from None
     if not isinstance(data.get("sets"), dict) or not data["sets"]:
         raise UsageError(f"{path} has no [sets.NAME] table")
-    sets = {}
+    sets: dict[str, VersionSet] = {}
     for name, entry in data["sets"].items():
         where = f"{path}: [sets.{name}]"
         if not isinstance(entry, dict):
@@ -178,6 +180,7 @@ def load_sets(path: Path = SETS_FILE) -> tuple[dict[str, VersionSet], str]:
     default = data.get("default")
     if default not in sets:
         raise UsageError(f"{path}: default = {default!r} names no set (its sets: {', '.join(sets)})")
+    assert isinstance(default, str), "a key of sets"
     return sets, default
 
 
@@ -192,9 +195,10 @@ def resolve(names: list[str] | None = None, overrides: list[str] | None = None) 
             raise UsageError(f"unknown set '{name}' (valid sets: {', '.join([*known, CURRENT_SET])})")
         else:
             chosen.append(known[name])
-    pins = [parse_pin(token) for token in overrides or []]
+    tokens = overrides or []
+    pins = [parse_pin(token) for token in tokens]
     for package in {pin.package for pin in pins}:
-        given = [token for token, pin in zip(overrides, pins) if pin.package == package]
+        given = [token for token, pin in zip(tokens, pins) if pin.package == package]
         if len(given) > 1:
             raise UsageError(f"--with pins {package} {len(given)} times ({', '.join(given)}): keep one")
     if not pins:
@@ -202,7 +206,7 @@ def resolve(names: list[str] | None = None, overrides: list[str] | None = None) 
     return [
         replace(
             vset,
-            name=vset.name + "+" + "+".join(overrides),
+            name=vset.name + "+" + "+".join(tokens),
             pins={**vset.pins, **{pin.package: pin for pin in pins}},
         )
         for vset in chosen

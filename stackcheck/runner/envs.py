@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
@@ -118,7 +119,7 @@ def failure_reason(output: str) -> str:
     """The one line that says why an installer failed, from its output: uv's headline with its innermost cause
     (git's own `fatal:` line where a git pin failed), or pip's last ERROR line. A message the installer wrapped
     over several lines is one again."""
-    lines = []  # one entry per message: a line that starts none continues the one before
+    lines: list[str] = []  # one entry per message: a line that starts none continues the one before
     for line in (line.strip() for line in output.splitlines()):
         if not line:
             continue
@@ -152,7 +153,7 @@ def _run(command: list[str], log: Path | None = None, quiet: bool = False) -> No
         print(completed.stderr.rstrip(), file=sys.stderr, flush=True)  # warnings of a step that worked
 
 
-def check_available(requirements: list[str], find_links: list[str] = (), no_index: bool = False) -> None:
+def check_available(requirements: list[str], find_links: Sequence[str] = (), no_index: bool = False) -> None:
     """Each requirement can be installed from the package index (or the --find-links folders) on this Python: asks
     the index (uv pip compile --no-deps, else pip install --dry-run --no-deps), builds nothing. EnvBuildError with the
     installer's reason otherwise."""
@@ -176,7 +177,7 @@ def environment_requirements(vset: VersionSet, groups: tuple[str, ...] = ()) -> 
     return torch_requirements + vset.requirements() + test_requirements(vset, groups), inherit
 
 
-def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False, groups: tuple[str, ...] = ()) -> Path:
+def build(vset: VersionSet, find_links: Sequence[str] = (), no_index: bool = False, groups: tuple[str, ...] = ()) -> Path:
     """Create (or reuse, when its requirements are unchanged) the set's environment; return its python.
     `groups` are optional-dependency groups added to the test requirements (BENCH_GROUPS); each
     combination gets its own environment, so commands that need different groups never rebuild each other's."""
@@ -188,7 +189,7 @@ def build(vset: VersionSet, find_links: list[str] = (), no_index: bool = False, 
         return _build(vset, find_links, no_index, groups, requirements, inherit)
 
 
-def _build(vset: VersionSet, find_links, no_index: bool, groups: tuple[str, ...], requirements: list[str], inherit: bool) -> Path:
+def _build(vset: VersionSet, find_links: Sequence[str], no_index: bool, groups: tuple[str, ...], requirements: list[str], inherit: bool) -> Path:
     env = ENVS_DIR / "+".join([vset.slug, *groups])
     python = env / "bin" / "python"
     stamp = env / "stackcheck-requirements.txt"
@@ -201,6 +202,7 @@ def _build(vset: VersionSet, find_links, no_index: bool, groups: tuple[str, ...]
     uv = shutil.which("uv")
     resolved = resolved_wheels(vset, find_links) if inherit and no_index and uv else None
     if resolved:
+        assert uv, "resolved_wheels is asked only where uv is"
         # The wheelhouse resolved this set for this host (its torch, its other packages): install exactly
         # those wheels, uv's seconds instead of pip resolving again over the inherited packages (docs/history-runs.md).
         _run([sys.executable, "-m", "venv", "--without-pip", str(env)])
@@ -220,7 +222,7 @@ def _build(vset: VersionSet, find_links, no_index: bool, groups: tuple[str, ...]
     return python
 
 
-def resolved_wheels(vset: VersionSet, find_links: list[str]) -> list[Path] | None:
+def resolved_wheels(vset: VersionSet, find_links: Sequence[str]) -> list[Path] | None:
     """The set's wheels as a wheelhouse in `find_links` resolved them (its manifest), when one holds them all."""
     for folder in map(Path, find_links):
         manifest = folder / WHEELHOUSE_MANIFEST

@@ -121,8 +121,12 @@ class Parser(argparse.ArgumentParser):
         """As argparse's, with what is left over refused by the command's own parser (which can name `--`)."""
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
-            commands = self._subparsers._group_actions[0].choices if self._subparsers else {}
-            commands.get(getattr(parsed, "command", None), self).error(f"unrecognized arguments: {' '.join(extras)}")
+            commands: dict[str, argparse.ArgumentParser] = {}
+            if self._subparsers:
+                subcommands = self._subparsers._group_actions[0]
+                assert isinstance(subcommands, argparse._SubParsersAction), "add_subparsers comes before any positional"
+                commands = subcommands.choices
+            commands.get(getattr(parsed, "command", ""), self).error(f"unrecognized arguments: {' '.join(extras)}")
         return parsed
 
     def error(self, message: str):

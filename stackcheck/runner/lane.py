@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,8 +93,10 @@ def check_model_types(python: Path, vset: VersionSet, options: list[str]) -> Non
     builtin = architectures.builtin()
     own = [a for a in architectures.resolve(spec) if builtin.get(a.name) != a] if spec else []
     known = transformers_model_types(python) if own else None
-    for arch in own if known else []:
-        version, model_types = known
+    if not known:
+        return  # no config of the user's, or a transformers that cannot say
+    version, model_types = known
+    for arch in own:
         if arch.model_type not in model_types:
             close = difflib.get_close_matches(arch.model_type, model_types, n=1)
             raise UsageError(f"--arch {arch.source}: model_type '{arch.model_type}' is not one transformers {version} (set "
@@ -279,7 +282,7 @@ def family_test(text: str) -> TestId:
 
 
 def run(vset: VersionSet, targets: list[str], results_path: Path, find_links=(), no_index: bool = False,
-        baseline: str | None = None, env: dict[str, str] | None = None, options: list[str] = (),
+        baseline: str | None = None, env: dict[str, str] | None = None, options: Sequence[str] = (),
         python: Path | None = None) -> list[Cell]:
     """Run `targets` for `vset` on the CPU lane into results_path and return its cells. An environment
     that cannot be built gets an `error` cell in every family instead (a probe's finding). `options`: pytest
@@ -289,7 +292,7 @@ def run(vset: VersionSet, targets: list[str], results_path: Path, find_links=(),
 
 def run_timed(vset: VersionSet, targets: list[str], results_path: Path, find_links=(), no_index: bool = False,
               baseline: str | None = None, lanes: tuple[str, ...] = ("cpu",), env: dict[str, str] | None = None,
-              options: list[str] = (), python: Path | None = None) -> tuple[list[Cell], dict[str, float | None]]:
+              options: Sequence[str] = (), python: Path | None = None) -> tuple[list[Cell], dict[str, float | None]]:
     """`run`, in `lanes`, with what it cost in seconds: environment (built or reused), start-up
     (interpreter, imports, collection), fixtures (tiny checkpoints built), tests, exit; and in all."""
     check_ledger()

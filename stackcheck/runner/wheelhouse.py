@@ -16,7 +16,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import NotRequired, TypedDict
 
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name, parse_wheel_filename
@@ -31,12 +33,40 @@ MANYLINUX_X86_64 = [f"manylinux_2_{minor}_x86_64" for minor in range(17, 40)] + 
 PROVIDED_BY_TARGET = {"torch"}  # the platform: the target's own (CUDA) build, never downloaded
 
 
+class SetWheels(TypedDict):
+    """A set's entry in the manifest: its wheels' file names, and their size."""
+
+    wheels: list[str]
+    mib: float
+
+
+class Batch(TypedDict):
+    """One transfer (`--batch-mib`): its folder, size and wheels, and the sets it completes."""
+
+    folder: str
+    mib: float
+    wheels: list[str]
+    completes: list[str]
+
+
+class Manifest(TypedDict):
+    """The wheelhouse's MANIFEST (JSON), as `build` writes it."""
+
+    python_version: str
+    platforms: list[str]
+    cuda: str | None
+    host_freeze: str | None
+    sets: dict[str, SetWheels]
+    mib: NotRequired[float]  # the whole folder's, once every set is in
+    batches: NotRequired[list[Batch]]  # with --batch-mib only
+
+
 def read_freeze(path: Path) -> dict[str, Version]:
     try:
         text = path.read_text()
     except UnicodeDecodeError:
         raise UsageError(f"{path} is not text: expected the target's `pip list --format=freeze`") from None
-    versions = {}
+    versions: dict[str, Version] = {}
     for number, line in enumerate(text.splitlines(), 1):
         match = re.match(r"^([A-Za-z0-9_.-]+)==([^\s;#]+)", line.strip())
         if match:
@@ -151,7 +181,7 @@ def wheels_for_set(vset: VersionSet, download, python_version: str, host: dict[s
     return sorted(wheels)
 
 
-def batches(sets: dict[str, dict], sizes: dict[str, int], limit: int) -> list[dict]:
+def batches(sets: Mapping[str, SetWheels], sizes: dict[str, int], limit: int) -> list[dict]:
     """Split the sets' wheels into transfers of at most `limit` bytes, in set order, each set's new wheels
     together; each batch lists the wheels it carries and the sets it completes."""
     shipped: set[str] = set()
@@ -171,15 +201,15 @@ def batches(sets: dict[str, dict], sizes: dict[str, int], limit: int) -> list[di
 
 
 def build(sets: list[VersionSet], dest: Path, python_version: str, platforms: list[str], cuda: str | None,
-          host_freeze: Path | None, batch_mib: int | None = None) -> dict:
+          host_freeze: Path | None, batch_mib: int | None = None) -> Manifest:
     """Fill `dest` for every set; write and return the manifest (wheels and their size per set)."""
     if host_freeze and not host_freeze.is_file():
         raise UsageError(f"no such host freeze file: {host_freeze}")
     host = read_freeze(host_freeze) if host_freeze else {}
     dest.mkdir(parents=True, exist_ok=True)
     download = Downloader(dest, python_version, platforms)
-    manifest = {"python_version": python_version, "platforms": platforms, "cuda": cuda,
-                "host_freeze": str(host_freeze) if host_freeze else None, "sets": {}}
+    manifest: Manifest = {"python_version": python_version, "platforms": platforms, "cuda": cuda,
+                          "host_freeze": str(host_freeze) if host_freeze else None, "sets": {}}
     for vset in sets:
         wheels = wheels_for_set(vset, download, python_version, host, cuda)
         manifest["sets"][vset.name] = {
@@ -200,6 +230,6 @@ def build(sets: list[VersionSet], dest: Path, python_version: str, platforms: li
                                         "wheels": batch["wheels"], "completes": batch["completes"]})
     text = json.dumps(manifest, indent=2) + "\n"
     (dest / MANIFEST).write_text(text)
-    for batch in manifest.get("batches", []):  # each batch carries the manifest: the folder they arrive in has it
-        (dest / batch["folder"] / MANIFEST).write_text(text)
+    for carried in manifest.get("batches", []):  # each batch carries the manifest: the folder they arrive in has it
+        (dest / carried["folder"] / MANIFEST).write_text(text)
     return manifest

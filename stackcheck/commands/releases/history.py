@@ -114,12 +114,12 @@ def render_markdown(sweep: dict, rows: list[tuple[str, Probe | None]], families:
     if not found:
         lines += ["No family changes state in this range.", ""]
     for family in families:
-        mine = [t for t in found if t.family == family]
-        if not mine:
+        changes = [t for t in found if t.family == family]
+        if not changes:
             continue
         title = ledger.families[family].title if family in ledger.families else family
         lines += [f"### {family}", "", title, ""]
-        for t in mine:
+        for t in changes:
             lines.append(f"- **{t.before} → {t.after}** ({t.kind}):")
             lines += [f"  - {line}" for line in _cell_changes(t.old, t.new)]
         lines.append("")
@@ -168,7 +168,8 @@ def bug_state(bug: Bug, cells: list[dict], ledger: Ledger, model_types: dict[str
     """`present`: a failing cell names the bug; else `absent`: one of its tests passes (on an architecture the bug
     lives on); else `masked`: they fail before telling (an error, another bug, a new failure); else `not applicable`:
     the versions predate it, its tests are skipped here, or none ran."""
-    mine = [c for c in cells if c["family"] in ledger.families and bug.lives_on(model_types.get(c.get("arch")))
+    mine = [c for c in cells if c["family"] in ledger.families
+            and bug.lives_on(model_types.get(c["arch"]) if c.get("arch") else None)  # None: a test that builds no model
             and bug in ledger.families[c["family"]].bugs_for(c["test"].split("::", 1)[-1])]
     if any(c.get("bug") == bug.id and c["verdict"] in (Verdict.KNOWN_BUG, Verdict.NEW_FAILURE) for c in mine):
         return "present"
@@ -331,7 +332,7 @@ def run(args) -> int:
 def sweep_releases(prober: Prober, sets: dict[str, VersionSet], families: list[str], jobs: int) -> list[tuple[str, Probe | None]]:
     """Every release's probe, oldest first: from the store, or run with `jobs` at once while the next
     environments build. On an interruption the probes in flight finish and the queued ones are dropped."""
-    found = {label: probe for label, vset in sets.items() if (probe := prober.stored(label, vset, families))}
+    found: dict[str, Probe | None] = {label: stored for label, vset in sets.items() if (stored := prober.stored(label, vset, families))}
     todo = [label for label in sets if label not in found]
     print(f"== history: {len(sets)} releases, {len(found)} from the store, {len(todo)} to run, "
           f"{min(jobs, len(todo))} at a time", flush=True)

@@ -96,12 +96,12 @@ class ProbeStore:
         with self._lock:
             data = self._load()
             old = next((e for e in data["probes"] if e["key"] == key), None)
-            same = old is not None and old["fingerprint"] == fingerprint
-            kept = [c for c in old["cells"] if c["family"] not in families] if same else []
+            same = old if old is not None and old["fingerprint"] == fingerprint else None  # the entry this one extends
+            kept = [c for c in same["cells"] if c["family"] not in families] if same is not None else []
             entry = {
                 "key": key, "label": label, "fingerprint": fingerprint,
                 # The families it ran, those of a run before kept (a family may have no cell: re-running another keeps it).
-                "families": sorted((set(old["families"]) if same else set()) | set(families)),
+                "families": sorted((set(same["families"]) if same is not None else set()) | set(families)),
                 "versions": versions, "cells": kept + cells,
                 "costs": {name: round(value, 2) if value is not None else None for name, value in costs.items()},
                 "concurrent": concurrent, "finished": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -146,6 +146,7 @@ class Prober:
         flake check: the store would answer with the run being checked)."""
         stored = None if fresh else self.stored(label, vset, families)
         if stored is not None:
+            assert self.store is not None, "only the store holds a stored probe"
             print(f"== probe {label}: from {self.store.path.name} (same environment, family definitions and platform)", flush=True)
             return stored
         key = self.key(vset)
@@ -157,7 +158,9 @@ class Prober:
             cells = [cell.to_dict() for cell in ran]  # the store keeps matrix.json's cells as they are on disk
             installed = {k: v for k, v in results.load(matrix)["sets"].get(vset.name, {}).items() if k != "platform"}
         if environment is not None:
-            costs |= {"environment": environment, "total": costs["total"] - costs["environment"] + environment}
+            total, reused = costs["total"], costs["environment"]
+            assert total is not None and reused is not None, "run_timed times the environment and the whole run always"
+            costs |= {"environment": environment, "total": total - reused + environment}
         built = installed.get("env") != "not built"
         if self.store and built:  # an environment that did not build may build next time (a network hiccup)
             self.store.add(key, label, families, cells, installed, costs, concurrent)

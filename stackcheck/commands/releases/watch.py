@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from packaging.version import Version
 
@@ -64,13 +65,20 @@ def flipped_families(before: list[dict], after: list[dict], families: list[str])
     return flips
 
 
+def pinned_release(vset: VersionSet, package: str) -> Version:
+    """The release a named set pins `package` to (sets.toml pins releases, never URLs)."""
+    version = vset.pins[package].version
+    assert version is not None, f"set {vset.name} pins {package} to a release"
+    return Version(version)
+
+
 def run(args) -> int:
     (baseline,) = resolve([args.sets or LATEST])
     index = releases_from(args.releases)
     moved = {}
     for package in LIBRARIES:
         newest = index(package)[-1]
-        if newest != Version(baseline.pins[package].version):
+        if newest != pinned_release(baseline, package):
             moved[package] = newest
     args.output.mkdir(parents=True, exist_ok=True)
     if not moved:
@@ -87,16 +95,16 @@ def run(args) -> int:
     records = []
     for family, verdicts in flips.items():
         for package, newest in moved.items():
-            old = Version(baseline.pins[package].version)
+            old = pinned_release(baseline, package)
             candidates = release_candidates(package, old, newest, index(package))
             good_is_newer = status.get(family) == gate.IMPROVEMENT
 
             def run_cells(candidate, run, family=family):  # a flake check (run 2) runs again, never from the store
                 return prober.probe(candidate.label, resolve([baseline.name], [candidate.pin])[0], [family], fresh=run > 1).cells
 
-            record = {"package": package, "family": family, "test": None, "base": baseline.name, "overrides": [],
-                      "good": str(newest if good_is_newer else old), "bad": str(old if good_is_newer else newest),
-                      "source": "the package index" if args.releases is None else str(args.releases)}
+            record: dict[str, Any] = {"package": package, "family": family, "test": None, "base": baseline.name, "overrides": [],
+                                      "good": str(newest if good_is_newer else old), "bad": str(old if good_is_newer else newest),
+                                      "source": "the package index" if args.releases is None else str(args.releases)}
             output = args.output / f"bisect-{package}-{family}.json"
             records.append(Bisection(candidates, good_is_newer, run_cells, record, output, signatures=not verdicts).run())
     text += render_answers(records)

@@ -81,7 +81,7 @@ def remedies(bug: Bug, versions: dict[str, str], ledger: Ledger) -> list[Remedy]
             if (leaving := _leaving(spec)) is None:
                 continue
             requirement, upgrade = leaving
-            brings_in = ()
+            brings_in: tuple[str, ...] = ()
             if upgrade and requirement.startswith(">="):
                 upgraded = {**versions, package: requirement.removeprefix(">=")}
                 brings_in = tuple(sorted(b.id for b in ledger.bugs.values() if b.affects(upgraded) and not b.affects(versions)))
@@ -179,6 +179,7 @@ def builtin_arch(name: str) -> tuple[str, frozenset[str]]:
     chosen = architectures.builtin().get(name)
     if chosen is None:
         raise UsageError(f"--arch: unknown architecture '{name}' (built in: {', '.join(architectures.builtin())})")
+    assert chosen.declared is not None, "a built-in architecture declares its structures (architectures._declared)"
     return chosen.model_type, chosen.declared
 
 

@@ -197,6 +197,7 @@ def run(args) -> int:
         print(f"== repro: set {cell_set.name}: its environment", flush=True)
         python = envs.build(cell_set, args.find_links, args.no_index)
         if cells is None:
+            assert test is not None, "no results file (--from), so --test names the cells"
             args.output.mkdir(parents=True, exist_ok=True)
             print(f"== repro: running {test.text} in set {cell_set.name} for its cells", flush=True)
             chosen = run_cells(python, cell_set, test, args.output)

@@ -73,8 +73,8 @@ class _Source:
         # definitions the joined module already has: it becomes a no-op, so the script imports nothing of stackcheck.
         self.text = re.sub(r"^(\s+)from stackcheck\.harness\.\w+ import (?:\([^)]*\)|.*)$", r"\1pass", self.text, flags=re.MULTILINE)
         self.tree = ast.parse(self.text)
-        self.definitions: dict[str, ast.AST] = {}
-        self.imports: list[ast.AST] = []
+        self.definitions: dict[str, ast.stmt] = {}
+        self.imports: list[ast.Import | ast.ImportFrom] = []
         for node in self.tree.body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 self.definitions[node.name] = node
@@ -88,8 +88,9 @@ class _Source:
             elif isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "module", None) != "__future__":
                 self.imports.append(node)
 
-    def segment(self, node: ast.AST, strip_decorators: bool = False) -> str:
-        start = node.lineno if strip_decorators or not getattr(node, "decorator_list", None) else node.decorator_list[0].lineno
+    def segment(self, node: ast.stmt, strip_decorators: bool = False) -> str:
+        decorators = node.decorator_list if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else []
+        start = node.lineno if strip_decorators or not decorators else decorators[0].lineno
         return "\n".join(self.text.splitlines()[start - 1 : node.end_lineno]) + "\n"
 
 
@@ -160,8 +161,8 @@ def build(family: str, test_name: str, params: dict[str, str], fixtures: list[st
     family_nodes = [sources["family"].definitions[n] for m, n in definitions if m == "family"]
     qualified = sorted({(owner, attr) for node in family_nodes for owner, attr in _references(node)[1] if owner in HELPER_MODULES})
     for owner in sorted({owner for owner, _attr in qualified}):
-        names = ", ".join(f"{attr}={attr}" for o, attr in qualified if o == owner)
-        body.insert(len(body) - len(family_nodes), f"{owner} = SimpleNamespace({names})  # stackcheck's {owner} helpers, as the test calls them\n")
+        members = ", ".join(f"{attr}={attr}" for o, attr in qualified if o == owner)
+        body.insert(len(body) - len(family_nodes), f"{owner} = SimpleNamespace({members})  # stackcheck's {owner} helpers, as the test calls them\n")
     code = "\n\n".join(body)
     used, _attributes = _references(ast.parse(code))
     bound = {alias.asname or alias.name.split(".")[0] for node in ast.parse(PRELUDE).body

@@ -15,6 +15,7 @@ import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from stackcheck import REPO_ROOT
 from stackcheck.runner import exitcodes, inputs
@@ -40,7 +41,7 @@ class Scan:
     findings: dict[str, list[str]] = field(default_factory=dict)  # problem kind -> one line per problem
     quantization: dict[str, dict[str, int]] = field(default_factory=dict)  # top-level part -> {module type: count}
     lora_targets: dict[str, int] = field(default_factory=dict)  # module type -> target hits
-    kv_sharing: dict[str, object] = field(default_factory=dict)
+    kv_sharing: dict[str, Any] = field(default_factory=dict)  # {"shared_layers": "A-B", "stored_by": [layer, ...]}
     footprint: dict[str, int] = field(default_factory=dict)  # the weights' bytes: planned in 4-bit, allocated by this stack
     known_bugs: list[str] = field(default_factory=list)
 
@@ -251,7 +252,7 @@ def check_lora_targets(scan: Scan, model, adapter_config: dict, adapter: Path) -
     except Exception as exc:
         raise failed(f"{adapter}/adapter_config.json: PEFT cannot use it", exc) from None
     scan.lora_targets = dict(Counter(type(m).__name__ for m in hits.values()))
-    first_of_type = {}
+    first_of_type: dict[str, tuple[str, Any]] = {}  # module type -> (name, module) of its first hit
     for name, module in hits.items():
         first_of_type.setdefault(type(module).__name__, (name, module))
     for type_name, (name, module) in first_of_type.items():
