@@ -528,9 +528,11 @@ class Ledger:
         for bug in candidates:
             if bug.signature.matches_type_and_frame(failure):
                 return Judgement(NEW_FAILURE, bug.id, signature, f"new signature of known bug {bug.id}", list(bug.links))
-        # A bug's whole message from another mechanism (another exception class, or raised in another module): named,
-        # never known.
-        for bug in [*candidates, *(b for b in self.bugs.values() if b not in candidates)]:
+        # A bug's whole message from another mechanism (another exception class, or raised in another library module):
+        # named, never known. Raised by a test's own code, it names nothing (a short message such as a KeyError's key
+        # is no kinship there).
+        others = [b for b in self.bugs.values() if b not in candidates]
+        for bug in [*candidates, *others] if not failure.raising_frame.startswith(TESTS_PREFIX) else []:
             if bug.signature.same_message_elsewhere(failure):
                 where = ", ".join(bug.signature.modules or bug.signature.frames)
                 note = (f"new signature of known bug {bug.id}: its message from another mechanism ({failure.exception_type} "
