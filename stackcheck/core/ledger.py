@@ -19,7 +19,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from packaging.specifiers import InvalidSpecifier, Specifier, SpecifierSet
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from stackcheck import REPO_ROOT
 from stackcheck.core.hostinfo import CPU_FLAGS
@@ -68,18 +68,28 @@ class LedgerError(ValueError):
 
 @dataclass(frozen=True)
 class Signature:
-    """How a failure of the bug looks: the exception class (anywhere in its MRO), the whole message
-    (`message` must match all of it), the frame that raised it (see `Failure.raising_frame`), and for a
-    numeric bug the band of measured values it is known at."""
+    """How a failure of the bug looks, by its mechanism: the exception class (anywhere in its MRO), the whole message
+    (`message` must match all of it), where it raised (see `Failure.raising_frame`), and for a numeric bug the band of
+    measured values it is known at.
+
+    Where it raised: one of `frames`, or any function of one of `modules` (the library files the bug raises in). A
+    release that moves the raise to another function of the same file (transformers 5.14.0 moved the offloaded save's
+    lookup out of `remove_tied_weights_from_state_dict`) is the same mechanism; another file is another one."""
 
     exception: str
     message: str
     frames: tuple[str, ...]  # `frame` in ledger.toml: one frame, or a list of the frames the bug raises from
     band: tuple[float, float] | None = None
+    modules: tuple[str, ...] = ()  # `module` in ledger.toml; by default the files of its library frames
 
     @property
     def frame(self) -> str:
         return self.frames[0]
+
+    def raised_where(self, failure: Failure) -> bool:
+        """Raised by one of its frames, or in one of its modules."""
+        return (any(failure.raising_frame_for(frame) == frame for frame in self.frames)
+                or any(module_of(failure.raising_frame_for(module)) == module for module in self.modules))
 
     @property
     def library_level(self) -> bool:
@@ -99,7 +109,28 @@ class Signature:
         return failure.measured is not None and math.isfinite(failure.measured) and self.band[0] <= failure.measured <= self.band[1]
 
     def matches(self, failure: Failure) -> bool:
-        return self.matches_type_and_frame(failure) and self.matches_message(failure) and self.in_band(failure)
+        return (self.exception in failure.exception_mro and self.raised_where(failure) and self.matches_message(failure)
+                and self.in_band(failure))
+
+    def same_message_elsewhere(self, failure: Failure) -> bool:
+        """Its whole message (and band), raised by another mechanism: another exception class or another module."""
+        return self.matches_message(failure) and self.in_band(failure) and not self.matches(failure)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The evidence for one bound of a bug's `affected` range: the release just outside it and the first inside it,
+    measured by `run`; or the `reason` it cannot be measured; or the two releases that will measure it (`awaits`)."""
+
+    outside: str | None = None
+    inside: str | None = None
+    run: str | None = None
+    reason: str | None = None
+    awaits: tuple[str, ...] = ()
+
+    @property
+    def state(self) -> str:
+        return "measured" if self.run else "reason" if self.reason else "awaits"
 
 
 @dataclass(frozen=True)
@@ -117,6 +148,7 @@ class Bug:
     # size (a 4-bit merge's rounding against the adapter): a pass elsewhere is no evidence of a fix. Empty: wherever
     # it lives.
     expected_on: tuple[str, ...] = ()
+    bounds: dict[str, Bound] = field(default_factory=dict)  # by bound_key: the evidence of each bound of `affected`
 
     @property
     def silent(self) -> bool:
@@ -176,6 +208,7 @@ class Failure:
     frames: tuple[str, ...]  # "path:function", innermost last
     measured: float | None = None  # a numeric assertion's value (scenario.ToleranceExceeded)
     not_reached: bool = False  # the test could not prove its precondition (scenario.ScenarioNotReached)
+    api_absent: bool = False  # the release under test has no API the family drives (proof.ApiAbsent, a ScenarioNotReached)
 
     @classmethod
     def from_exception(cls, exc: BaseException, not_reached: bool = False) -> Failure:
@@ -192,7 +225,9 @@ class Failure:
         if isinstance(exc, AssertionError):
             # pytest's assertion rewriting appends its own explanation; the ledger describes the test's message.
             message = re.sub(r"\nassert .*\Z", "", message, flags=re.DOTALL)
-        return cls(type(exc).__name__, mro, message, frames, getattr(exc, "measured", None), not_reached)
+        # Recognised by name, as a process pytest does not run may import stackcheck again.
+        api_absent = "ApiAbsent" in mro and "ScenarioNotReached" in mro
+        return cls(type(exc).__name__, mro, message, frames, getattr(exc, "measured", None), not_reached or api_absent, api_absent)
 
     @classmethod
     def raised_outside_pytest(cls, exc: BaseException) -> Failure:
@@ -228,6 +263,11 @@ class Failure:
     def signature(self) -> str:
         first_line = self.message.strip().splitlines()[0] if self.message.strip() else ""
         return f"{self.exception_type}: {first_line[:200]} @ {self.raising_frame}"
+
+
+def module_of(frame: str) -> str:
+    """The file of a "path/file.py:function" frame."""
+    return frame.rpartition(":")[0] or frame
 
 
 def short_path(filename: str) -> str:
@@ -309,7 +349,8 @@ def _keys(entry: object, where: str, required: set[str], optional: set[str] = fr
 
 def _parse_bug(bug_id: str, entry: object, packages: tuple[str, ...]) -> Bug:
     where = f"bugs.{bug_id}"
-    _keys(entry, where, {"summary", "links", "upstream_status", "affected", "signature"}, {"cpu_flag", "architectures", "workaround", "expected_on"})
+    _keys(entry, where, {"summary", "links", "upstream_status", "affected", "signature"},
+          {"cpu_flag", "architectures", "workaround", "expected_on", "bounds"})
     architectures, expected_on = entry.get("architectures", []), entry.get("expected_on", [])
     for key, value in (("architectures", architectures), ("expected_on", expected_on)):
         _require(isinstance(value, list) and all(isinstance(x, str) for x in value), where,
@@ -324,7 +365,7 @@ def _parse_bug(bug_id: str, entry: object, packages: tuple[str, ...]) -> Bug:
             affected[package] = SpecifierSet(spec)
         except (InvalidSpecifier, TypeError):
             raise LedgerError(f"ledger.toml: {where}.affected.{package}: '{spec}' is not a PEP 440 specifier") from None
-    sig = _keys(entry["signature"], f"{where}.signature", {"exception", "message", "frame"}, {"band"})
+    sig = _keys(entry["signature"], f"{where}.signature", {"exception", "message", "frame"}, {"band", "module"})
     try:
         re.compile(sig["message"])
     except (re.error, TypeError) as exc:
@@ -337,9 +378,57 @@ def _parse_bug(bug_id: str, entry: object, packages: tuple[str, ...]) -> Bug:
         _require(isinstance(band, list) and len(band) == 2 and all(isinstance(x, int | float) for x in band) and band[0] <= band[1],
                  where, "signature.band must be [low, high] with low <= high")
         band = (float(band[0]), float(band[1]))
-    signature = Signature(sig["exception"], sig["message"], tuple(frames), band)
+    library_frames = [f for f in frames if not f.startswith(TESTS_PREFIX)]
+    modules = sig.get("module", sorted({module_of(f) for f in library_frames}))
+    modules = [modules] if isinstance(modules, str) else modules
+    _require(isinstance(modules, list) and all(isinstance(m, str) and re.fullmatch(r"[^:\s]+\.py", m)
+                                               and not m.startswith((TESTS_PREFIX, "stackcheck/")) for m in modules),
+             where, "signature.module must be a library file 'path/file.py' or a list of them")
+    _require(library_frames or not modules, where, "signature.module is for a bug a library raises; a family's own assertion is matched by its frame")
+    signature = Signature(sig["exception"], sig["message"], tuple(frames), band, tuple(modules))
+    bounds = _parse_bounds(where, entry.get("bounds", {}), affected)
     return Bug(bug_id, entry["summary"], tuple(entry["links"]), entry["upstream_status"], affected, signature,
-               entry.get("cpu_flag"), tuple(architectures), entry.get("workaround"), tuple(expected_on))
+               entry.get("cpu_flag"), tuple(architectures), entry.get("workaround"), tuple(expected_on), bounds)
+
+
+def bound_key(package: str, spec: Specifier) -> str:
+    """How ledger.toml names one bound of `affected`: "peft>=0.19.0"."""
+    return f"{package}{spec}"
+
+
+def _parse_bounds(where: str, table: object, affected: dict[str, SpecifierSet]) -> dict[str, Bound]:
+    """`bounds`: per bound of `affected`, the releases that measured it, or why it cannot be measured. Each measured
+    pair is checked against the bound: `outside` fails it, `inside` meets it."""
+    _require(isinstance(table, dict), where, "bounds must be a table keyed by bound (\"peft>=0.19.0\")")
+    known = {bound_key(package, spec): spec for package, specs in affected.items() for spec in specs}
+    bounds = {}
+    for key, value in table.items():
+        at = f"{where}.bounds.\"{key}\""
+        _require(key in known, at, f"names no bound of affected (its bounds: {', '.join(sorted(known)) or 'none'})")
+        _keys(value, at, set(), {"outside", "inside", "run", "reason", "awaits"})
+        forms = [form for form in (("outside", "inside", "run"), ("reason",), ("awaits",)) if form[0] in value]
+        _require(len(forms) == 1 and set(value) == set(forms[0]), at,
+                 "give outside, inside and run (measured), or reason (cannot be measured), or awaits (the releases that will measure it)")
+        spec = known[key]
+        if "awaits" in value:
+            _require(isinstance(value["awaits"], list) and len(value["awaits"]) == 2, at, "awaits must be [outside, inside]: two releases")
+            pair = value["awaits"]
+        elif "reason" in value:
+            _require(isinstance(value["reason"], str) and value["reason"].strip(), at, "reason must be a non-empty string")
+            pair = None
+        else:
+            _require(isinstance(value["run"], str) and value["run"].strip(), at, "run must say which run measured it")
+            pair = [value["outside"], value["inside"]]
+        if pair is not None:
+            try:
+                outside, inside = (Version(v) for v in pair)
+            except (InvalidVersion, TypeError):
+                raise LedgerError(f"ledger.toml: {at}: releases must be versions, got {pair}") from None
+            _require(not spec.contains(outside, prereleases=True) and spec.contains(inside, prereleases=True), at,
+                     f"{outside} must fail {spec} and {inside} meet it")
+        bounds[key] = Bound(value.get("outside"), value.get("inside"), value.get("run"), value.get("reason"),
+                            tuple(value.get("awaits", ())))
+    return bounds
 
 
 class Ledger:
@@ -407,6 +496,9 @@ class Ledger:
                 return Judgement(FIXED, bug.id, note=f"passes although the ledger says these versions have {bug.id}", links=list(bug.links))
             return Judgement(PASS)
         signature = failure.signature()
+        if failure.api_absent:
+            # The release under test predates the API the family drives (proof.require_api): nothing to judge.
+            return Judgement(NOT_AFFECTED, None, signature, failure.message.removeprefix("scenario not reached: "))
         if failure.not_reached:
             # A test no bug applies to (a control) stands or falls with its family's scenario.
             pool = candidates or [bug for bug, _patterns in self.families[family].bugs]
@@ -436,6 +528,16 @@ class Ledger:
         for bug in candidates:
             if bug.signature.matches_type_and_frame(failure):
                 return Judgement(NEW_FAILURE, bug.id, signature, f"new signature of known bug {bug.id}", list(bug.links))
+        # A bug's whole message from another mechanism (another exception class, or raised in another library module):
+        # named, never known. Raised by a test's own code, it names nothing (a short message such as a KeyError's key
+        # is no kinship there).
+        others = [b for b in self.bugs.values() if b not in candidates]
+        for bug in [*candidates, *others] if not failure.raising_frame.startswith(TESTS_PREFIX) else []:
+            if bug.signature.same_message_elsewhere(failure):
+                where = ", ".join(bug.signature.modules or bug.signature.frames)
+                note = (f"new signature of known bug {bug.id}: its message from another mechanism ({failure.exception_type} "
+                        f"in {failure.raising_frame}; the bug: {bug.signature.exception} in {where})")
+                return Judgement(NEW_FAILURE, bug.id, signature, note, list(bug.links))
         return Judgement(NEW_FAILURE, None, signature)
 
 

@@ -1,7 +1,12 @@
-"""The proof vocabulary every family shares: a precondition not reached (`require`), a measured value past
-its tolerance (`assert_within`), and the measures judged by mechanism (`effect_kept`)."""
+"""The proof vocabulary every family shares: a precondition not reached (`require`), an API the release under test
+does not have yet (`require_api`), a measured value past its tolerance (`assert_within`), and the measures judged by
+mechanism (`effect_kept`)."""
 
 from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
 
 import torch
 
@@ -16,6 +21,36 @@ class ScenarioNotReached(Exception):
 def require(condition: object, what: str) -> None:
     if not condition:
         raise ScenarioNotReached(what)
+
+
+class ApiAbsent(ScenarioNotReached):
+    """The release under test has no API the family drives (it predates it): the verdict is `not_affected` with this
+    reason, never an error. Raised only where the absence is proven (`require_api`)."""
+
+
+def require_api(package: str, module: str, attribute: str | None = None, what: str = ""):
+    """`module` (and its dotted `attribute`) of the installed `package`, or ApiAbsent where this release has none: the
+    module is not in the release, or has no such attribute. A module that is there but fails to import is no absence:
+    its error propagates and is judged as any failure."""
+    try:
+        release = f"{package} {importlib.metadata.version(package)}"
+    except importlib.metadata.PackageNotFoundError:
+        raise ApiAbsent(f"{package} is not installed, so it has no {module}{f' ({what})' if what else ''}") from None
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError as exc:  # a parent package of `module` is not in the release
+        if not (exc.name and (module == exc.name or module.startswith(exc.name + "."))):
+            raise
+        found = False
+    about = f" ({what})" if what else ""
+    if not found:
+        raise ApiAbsent(f"{release} has no {module}{about}: the release predates the API")
+    target = importlib.import_module(module)
+    for part in (attribute.split(".") if attribute else []):
+        if not hasattr(target, part):
+            raise ApiAbsent(f"{release} has no {module}.{attribute}{about}: the release predates the API")
+        target = getattr(target, part)
+    return target
 
 
 class ToleranceExceeded(AssertionError):

@@ -9,7 +9,7 @@ from functools import cache
 
 import torch
 
-from stackcheck.harness.proof import require
+from stackcheck.harness.proof import require, require_api
 from stackcheck.models import architectures
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
@@ -129,8 +129,6 @@ def vllm_sync(model, keep=None) -> tuple[dict[str, torch.Tensor | None], dict[st
 
 
 def require_trl_sync():
-    try:
-        from trl.generation.vllm_generation import VLLMGeneration
-    except ImportError as exc:
-        require(False, f"this trl has no VLLMGeneration weight sync ({exc})")
-    require(hasattr(VLLMGeneration, "_iter_named_params"), "this trl's VLLMGeneration has no _iter_named_params")
+    """trl's VLLMGeneration weight sync, or ApiAbsent on a trl that predates it (0.24.0's GRPOTrainer pushes from its
+    own _move_model_to_vllm, straight into a vLLM client: no generator to read the pushed weights from)."""
+    require_api("trl", "trl.generation.vllm_generation", "VLLMGeneration._iter_named_params", "GRPO's VLLMGeneration weight sync")

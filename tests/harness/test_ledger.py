@@ -12,7 +12,7 @@ import torch
 
 from stackcheck.harness import scenario
 from stackcheck.models import architectures
-from stackcheck.core.ledger import ERROR, FIXED, KNOWN_BUG, LEDGER_FILE, NEW_FAILURE, NOT_AFFECTED, PASS, Failure, Ledger, LedgerError, Verdict, family_modules
+from stackcheck.core.ledger import ERROR, FIXED, KNOWN_BUG, LEDGER_FILE, NEW_FAILURE, NOT_AFFECTED, PASS, Failure, Ledger, LedgerError, Verdict, bound_key, family_modules
 from stackcheck.core.versions import installed_versions
 from stackcheck.harness.scenario import ScenarioNotReached
 
@@ -472,3 +472,120 @@ def test_a_resume_in_a_fresh_process_is_judged_by_what_raised_there(ledger, vers
 
 def reraise(error: BaseException):
     raise error
+
+
+OFFLOADED_SAVE_TEST = "test_offloaded_model_saves_and_reloads[cpu-llama3-nf4-with_root]"
+SAVE_FRAMES = ("tests/contract/serialize/test_offloaded_save.py:test_offloaded_model_saves_and_reloads",
+               "transformers/modeling_utils.py:save_pretrained")
+
+
+def attribute_error(message: str, *frames: str, exception: str = "AttributeError") -> Failure:
+    """A failure as two releases raise it, which cannot be installed together: constructed, the frames as
+    `Failure.from_exception` names them."""
+    return Failure(exception, (exception, "Exception", "BaseException", "object"), message, SAVE_FRAMES + frames)
+
+
+def test_a_bug_whose_raise_moved_to_another_function_of_its_module_stays_known(ledger, versions):
+    """offloaded_save_quant_state_keys on two releases: transformers 5.13.1 looks the offloaded quant-state key up
+    with torch's get_parameter inside remove_tied_weights_from_state_dict (torch's frames skipped: that function
+    raised), 5.14.0 on with its own get_parameter_or_buffer (measured on the CPU lane, latest with 5.13.1: before,
+    the 18 nf4 and int8 with_root cells read new_failure). Both are known, and so is the next move within the file.
+    The same message from another module, or as another exception, is another mechanism: a new failure naming it."""
+    key = "`model.layers.1.mlp.down_proj.SCB` is neither a parameter, buffer, nor extra state."
+    releases = {
+        "5.13.1": attribute_error("`weight` is not an nn.Module", "transformers/modeling_utils.py:remove_tied_weights_from_state_dict",
+                                  "torch/nn/modules/module.py:get_parameter", "torch/nn/modules/module.py:get_submodule"),
+        "5.14.0": attribute_error(key, "transformers/modeling_utils.py:remove_tied_weights_from_state_dict",
+                                  "transformers/modeling_utils.py:get_parameter_or_buffer"),
+        "a later refactor": attribute_error(key, "transformers/modeling_utils.py:_state_dict_for_save"),
+    }
+    assert releases["5.13.1"].raising_frame != releases["5.14.0"].raising_frame
+    for release, failure in releases.items():
+        judgement = ledger.judge("offloaded_save", OFFLOADED_SAVE_TEST, dict(versions, transformers="5.13.1"), failure, "llama")
+        assert (judgement.verdict, judgement.bug) == (KNOWN_BUG, "offloaded_save_quant_state_keys"), release
+
+    for other in (attribute_error(key, "transformers/integrations/accelerate.py:load_offloaded_parameter"),
+                  attribute_error(key, "transformers/modeling_utils.py:get_parameter_or_buffer", exception="KeyError")):
+        judgement = ledger.judge("offloaded_save", OFFLOADED_SAVE_TEST, versions, other, "llama")
+        assert (judgement.verdict, judgement.bug) == (NEW_FAILURE, "offloaded_save_quant_state_keys"), other
+        assert "new signature of known bug offloaded_save_quant_state_keys: its message from another mechanism" in judgement.note
+
+
+def test_a_signature_bound_to_its_frames_only_does_not_follow_its_module(tmp_path, versions):
+    """`module = []` keeps the listed frames alone: the same raise from another function of the file is no match."""
+    text = LEDGER_FILE.read_text()
+    original = 'frame = "bitsandbytes/functional.py:as_dict"\n'
+    assert original in text
+    path = tmp_path / "ledger.toml"
+    path.write_text(text.replace(original, original + "module = []\n", 1))
+    failure = Failure("RuntimeError", ("RuntimeError", "Exception"), "Tensor.item() cannot be called on meta tensors",
+                      ("bitsandbytes/functional.py:dequantize_4bit",))
+    test = "test_state_dict_after_accelerate_offload_to_meta[cpu]"
+    assert Ledger().judge("meta_quant_state", test, versions, failure).verdict == KNOWN_BUG
+    judgement = Ledger(path).judge("meta_quant_state", test, versions, failure)
+    assert (judgement.verdict, judgement.bug) == (NEW_FAILURE, "meta_quant_state")
+
+
+@pytest.mark.parametrize("entry, message", [
+    ('module = "tests/families/test_meta_quant_state.py"', "signature.module must be a library file"),
+    ('module = "bitsandbytes/functional.py:as_dict"', "signature.module must be a library file"),
+])
+def test_a_wrong_module_fails_loudly(tmp_path, entry, message):
+    text = LEDGER_FILE.read_text()
+    original = 'frame = "bitsandbytes/functional.py:as_dict"\n'
+    path = tmp_path / "ledger.toml"
+    path.write_text(text.replace(original, original + entry + "\n", 1))
+    with pytest.raises(LedgerError, match=message):
+        Ledger(path)
+
+
+def test_every_bound_of_every_range_has_evidence_or_a_reason(ledger):
+    """A range bound is a measurement on released wheels (the last release outside, the first inside) or a stated
+    reason, never the version some run happened to have: each bound of `affected` carries one (`bounds`)."""
+    missing = [f"{bug.id}: {bound_key(package, spec)}" for bug in ledger.bugs.values()
+               for package, specs in bug.affected.items() for spec in specs if bound_key(package, spec) not in bug.bounds]
+    assert missing == []
+
+
+@pytest.mark.parametrize("bounds, message", [
+    ('"bitsandbytes>=0.41.2" = { outside = "0.41.2", inside = "0.41.3", run = "x" }', "0.41.2 must fail >=0.41.2"),
+    ('"bitsandbytes>=0.41.3" = { reason = "x" }', "names no bound of affected"),
+    ('"bitsandbytes>=0.41.2" = { outside = "0.41.1", inside = "0.41.2" }', "give outside, inside and run"),
+    ('"bitsandbytes>=0.41.2" = { reason = "x", awaits = ["0.41.1", "0.41.2"] }', "give outside, inside and run"),
+    ('"bitsandbytes>=0.41.2" = { awaits = ["0.41.1"] }', "awaits must be"),
+])
+def test_evidence_that_does_not_fit_its_bound_fails_loudly(tmp_path, bounds, message):
+    text = LEDGER_FILE.read_text()
+    start = text.index("[bugs.meta_quant_state]\n")
+    end = text.index("[bugs.meta_quant_state.signature]")
+    entry = text[start:end]
+    entry = "\n".join(line for line in entry.splitlines() if not line.startswith('"bitsandbytes>=0.41.2"'))
+    entry = entry.replace("[bugs.meta_quant_state.bounds]", "").rstrip() + f"\n[bugs.meta_quant_state.bounds]\n{bounds}\n"
+    path = tmp_path / "ledger.toml"
+    path.write_text(text[:start] + entry + text[end:])
+    with pytest.raises(LedgerError, match=message):
+        Ledger(path)
+
+
+def test_a_release_that_predates_the_api_a_family_drives_is_not_affected(ledger, versions, tmp_path, monkeypatch):
+    """trl 0.24.0 has no trl.generation (its GRPOTrainer pushes to vLLM from _move_model_to_vllm): grpo_weight_sync
+    has no generator to drive there. A proven absence (the module is not in the release, or lacks the attribute) is
+    `not_affected` with the reason, on any set (before: 36 `error` cells on `seed --with trl==0.24.0`); a module
+    that is there but breaks on import is no absence."""
+    from stackcheck.harness.proof import ApiAbsent, require_api
+
+    test = "test_grpo_weight_sync_pushes_w_plus_dw_and_unmerges_back[cpu-llama3-nf4]"
+    for module, attribute in (("torch.no_such_generation", None), ("torch.nn", "Linear.no_such_sync")):
+        failure = caught(require_api, "torch", module, attribute, "a weight sync")
+        assert failure.api_absent and failure.not_reached
+        judgement = ledger.judge("grpo_weight_sync", test, versions, failure, "llama")
+        assert judgement.verdict == NOT_AFFECTED and f"torch {versions['torch']} has no {module}" in judgement.note
+        assert "predates the API" in judgement.note
+    assert require_api("torch", "torch.nn", "Linear.forward") is torch.nn.Linear.forward
+
+    (tmp_path / "broken_api").mkdir()
+    (tmp_path / "broken_api" / "__init__.py").write_text("raise ImportError('a dependency broke')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError, match="a dependency broke") as excinfo:
+        require_api("torch", "broken_api.sync")
+    assert not isinstance(excinfo.value, ApiAbsent)
