@@ -85,6 +85,7 @@ def lint(session: nox.Session) -> None:
     root = str(Path(__file__).parent)
     session.run("lint-imports", "--no-cache", env={"PYTHONPATH": root})
     session.run("ruff", "check", root)
+    session.run("mypy", "--config-file", str(Path(root) / "pyproject.toml"), env={"MYPYPATH": root})
 
 
 @nox.session

@@ -14,6 +14,8 @@ import re
 import sysconfig
 import tomllib
 import traceback
+from collections.abc import Set as AbstractSet
+from typing import Any
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -326,7 +328,7 @@ def family_needs(family: str, families_dir: Path | None = None) -> frozenset[str
     for node in tree.body:
         if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets)
                 and isinstance(node.value, ast.Call) and getattr(node.value.func, "attr", None) == "needs"):
-            return frozenset(arg.value for arg in node.value.args if isinstance(arg, ast.Constant))
+            return frozenset(arg.value for arg in node.value.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str))
     return frozenset()
 
 
@@ -340,14 +342,14 @@ def _require(condition: object, where: str, what: str) -> None:
         raise LedgerError(f"ledger.toml: {where}: {what}")
 
 
-def _keys(entry: object, where: str, required: set[str], optional: set[str] = frozenset()) -> dict:
+def _keys(entry: Any, where: str, required: set[str], optional: AbstractSet[str] = frozenset()) -> dict[str, Any]:
     _require(isinstance(entry, dict), where, "expected a table")
     _require(required <= entry.keys(), where, f"missing {', '.join(sorted(required - entry.keys()))}")
     _require(entry.keys() <= required | optional, where, f"unknown key {', '.join(sorted(entry.keys() - required - optional))}")
     return entry
 
 
-def _parse_bug(bug_id: str, entry: object, packages: tuple[str, ...]) -> Bug:
+def _parse_bug(bug_id: str, entry: Any, packages: tuple[str, ...]) -> Bug:
     where = f"bugs.{bug_id}"
     _keys(entry, where, {"summary", "links", "upstream_status", "affected", "signature"},
           {"cpu_flag", "architectures", "workaround", "expected_on", "bounds"})
@@ -396,7 +398,7 @@ def bound_key(package: str, spec: Specifier) -> str:
     return f"{package}{spec}"
 
 
-def _parse_bounds(where: str, table: object, affected: dict[str, SpecifierSet]) -> dict[str, Bound]:
+def _parse_bounds(where: str, table: Any, affected: dict[str, SpecifierSet]) -> dict[str, Bound]:
     """`bounds`: per bound of `affected`, the releases that measured it, or why it cannot be measured. Each measured
     pair is checked against the bound: `outside` fails it, `inside` meets it."""
     _require(isinstance(table, dict), where, "bounds must be a table keyed by bound (\"peft>=0.19.0\")")
@@ -441,7 +443,7 @@ class Ledger:
         self.bugs = {bug_id: _parse_bug(bug_id, entry, PACKAGES) for bug_id, entry in data["bugs"].items()}
         self.families = {fam_id: self._family(fam_id, entry) for fam_id, entry in data["families"].items()}
 
-    def _family(self, fam_id: str, entry: object) -> Family:
+    def _family(self, fam_id: str, entry: Any) -> Family:
         where = f"families.{fam_id}"
         _keys(entry, where, {"title", "bugs"})
         refs = []
@@ -518,11 +520,10 @@ class Ledger:
                 return Judgement(NEW_FAILURE, bug.id, signature, note, list(bug.links))
         if (elsewhere := self._known_elsewhere(family, listed, failure, versions, model_type)) is not None:
             return elsewhere
-        numeric = [bug for bug in candidates if bug.signature.band and bug.signature.matches_type_and_frame(failure)
-                   and bug.signature.matches_message(failure)]
+        numeric = [(bug, bug.signature.band) for bug in candidates if bug.signature.band
+                   and bug.signature.matches_type_and_frame(failure) and bug.signature.matches_message(failure)]
         if numeric:
-            bug = min(numeric, key=lambda b: _distance(failure.measured, b.signature.band))
-            low, high = bug.signature.band
+            bug, (low, high) = min(numeric, key=lambda pair: _distance(failure.measured, pair[1]))
             note = f"measured {failure.measured} outside the band [{low}, {high}] of the nearest known bug {bug.id}"
             return Judgement(NEW_FAILURE, bug.id, signature, note, list(bug.links))
         for bug in candidates:

@@ -9,7 +9,7 @@ from functools import cache
 
 import torch
 
-from stackcheck.harness.proof import require, require_api
+from stackcheck.harness.proof import require_api
 from stackcheck.models import architectures
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from stackcheck.core.protocol import CHROMIUM_ENV, INSTALL_BROWSER_ENV
 
@@ -57,7 +58,7 @@ def ensure_chromium() -> str | None:
     if chromium_path() or not may_install():
         return chromium_path()
     print("== installing Debian's chromium for the report's browser tests (CI)", flush=True)
-    quiet = {"stdout": subprocess.DEVNULL, "env": dict(os.environ, DEBIAN_FRONTEND="noninteractive")}
+    quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "env": dict(os.environ, DEBIAN_FRONTEND="noninteractive")}
     for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"]):
         if subprocess.run(command, **quiet).returncode != 0:
             print(f"stackcheck: `{' '.join(command)}` failed: the browser tests will be skipped", flush=True)
