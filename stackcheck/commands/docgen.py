@@ -2,6 +2,7 @@
 
 - docs/commands.md from stackcheck's own argument parser (stackcheck.cli);
 - docs/variables.md from the registry of STACKCHECK_* variables (stackcheck.core.protocol.VARIABLES);
+- docs/axes.md from the axis model (stackcheck/axes.toml) and each set's recorded fields (docs/axes-fields.json);
 - docs/families.md from the ledger's families (stackcheck/ledger.toml) and the first sentence of each family module's
   docstring (stackcheck.core.ledger.family_paths: tests/families/test_<id>.py, tests/contract/<phase>/test_<id>.py).
 
@@ -101,10 +102,21 @@ def families_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+# ----------------------------------------------------------------------------------------------------------- axes
+
+def axes_page() -> str:
+    """docs/axes.md from the axis model and each set's recorded fields: no library needed (docs/axes.md says how the
+    fields are recorded and checked in each set's environment)."""
+    from stackcheck.core import axis_model
+
+    source = "stackcheck/axes.toml and docs/axes-fields.json (each set's fields, recorded in its environment)"
+    return axis_model.page(axis_model.load(), axis_model.snapshots(), GENERATED.format(source=source))
+
+
 def pages(parser: argparse.ArgumentParser) -> dict[str, str]:
     """{page under docs/: its text as generated now}; `parser` is the CLI's (stackcheck.cli hands it over)."""
     return {"commands.md": commands_page(parser), "families.md": families_page(), "variables.md": GENERATED.format(
-        source="stackcheck/core/protocol.py's VARIABLES") + "\n\n" + protocol.variables_page()}
+        source="stackcheck/core/protocol.py's VARIABLES") + "\n\n" + protocol.variables_page(), "axes.md": axes_page()}
 
 
 def stale(parser: argparse.ArgumentParser, docs: Path = DOCS) -> list[str]:
