@@ -91,6 +91,17 @@ class AdapterVariant:
     def config(self, under_test: UnderTest, adapter: str = "language", **overrides):
         return tiny.lora_config(under_test.arch, adapter, **{**dict(self.lora_kwargs), **overrides})
 
+    @classmethod
+    def of(cls, **fields) -> "AdapterVariant":
+        """The variant of LoraConfig field values (the axis model's: `axis_model.DEFAULT` and False leave a field
+        out), named as ADAPTER_VARIANTS names it where it is one of them (`lora` when nothing is set), so the merge
+        contract finds the adapter this one trained."""
+        from stackcheck.core.axis_model import DEFAULT
+
+        kwargs = tuple((name, value) for name, value in fields.items() if value is not False and value != DEFAULT)
+        known = next((name for name, variant in ADAPTER_VARIANTS.items() if variant.lora_kwargs == kwargs), None)
+        return cls(known or "+".join(f"{name}={value}" for name, value in kwargs), kwargs)
+
 
 # The head and the input embeddings trained as full copies, by the names users write.
 MODULES_TO_SAVE = ("lm_head", "embed_tokens")
@@ -136,6 +147,9 @@ def require_variant_applied(model, variant: AdapterVariant, adapter_name: str = 
     require(not off, f"{len(off)} LoRA layers do not scale by their {rule} ({variant.name}; name, scaling, expected): {off[:2]}")
     for module in kwargs.get("modules_to_save", ()):
         require(auxiliary_copies(model, module), f"modules_to_save gave {module} no copy of its own")
+    if kwargs.get("lora_bias"):
+        plain = [name for name, layer in layers.items() if getattr(layer.lora_B[adapter_name], "bias", None) is None]
+        require(not plain, f"lora_bias=True left {len(plain)} of {len(layers)} LoRA layers without a bias on lora_B: {plain[:2]}")
 
 
 def auxiliary_copies(model, module: str) -> list[str]:

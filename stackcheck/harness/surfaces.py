@@ -124,6 +124,30 @@ def source_of(spec: str) -> str:
     return inspect.getsource(resolve(spec))
 
 
+# --- a family's axes, taken from the model ----------------------------------------------------------------------
+
+
+def cell_id(name: str, value_id: str) -> str:
+    """A model axis value's id in a cell: `use_dora.true`, so a cell reads without the axis order at hand (`.`, not
+    `=`: pytest's `-k` takes it)."""
+    return f"{name}.{value_id}"
+
+
+def model_axes(surface: str, *names: str, model: axis_model.AxisModel | None = None) -> dict[str, dict]:
+    """Axes of `surface` by field name, for `@pytest.mark.axes(**...)`: each field -> {cell id: value}, the values as
+    axes.toml lists them (`axis_model.DEFAULT`: leave the field out)."""
+    model = model or axis_model.load()
+    return {name: {cell_id(name, vid): value for vid, value in model.axis(surface, name).items()} for name in names}
+
+
+def model_invalid(surface: str, axes: dict[str, dict], model: axis_model.AxisModel | None = None) -> list[dict[str, str]]:
+    """The model's invalid combinations on `surface` among `axes` (refused by the library, or cut), as
+    `@pytest.mark.axes_invalid(*...)` takes them."""
+    model = model or axis_model.load()
+    return [{name: cell_id(name, vid) for name, vid in c.when.items()}
+            for c in model.constraints_on(surface) if set(c.when) <= set(axes)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stackcheck.harness.surfaces", description=__doc__.split("\n\n")[0])
     parser.add_argument("--record", metavar="SET", help="write this environment's fields to docs/axes-fields.json under SET")

@@ -32,3 +32,26 @@ def test_exhaustive_is_the_product_and_single_valued_axes_join_every_cell():
 def test_an_axis_that_cannot_name_its_cells_fails_loudly(bad):
     with pytest.raises(ValueError):
         axes.cover({"arch": ["a"], **bad})
+
+
+def test_invalid_combinations_are_never_cells_and_every_other_pair_is_covered():
+    axes_ = {"arch": ["a", "b", "c"], "dora": ["f", "t"], "bias": ["f", "t"], "rslora": ["f", "t"]}
+    invalid = [{"dora": "t", "bias": "t"}]
+    for exhaustive in (False, True):
+        cells = axes.cover(axes_, exhaustive, invalid)
+        assert not [cell for cell in cells if cell[1] == "t" and cell[2] == "t"]
+        assert not axes.uncovered_pairs(axes_, cells, invalid)
+    assert len(axes.cover(axes_, True, invalid)) == 3 * 2 * 2 * 2 - 3 * 2
+    with pytest.raises(ValueError):
+        axes.cover(axes_, invalid=[{"dora": "maybe"}])
+
+
+def test_a_family_takes_its_axes_and_refusals_from_the_model():
+    from stackcheck.harness import surfaces
+
+    lora = surfaces.model_axes("lora", "use_dora", "lora_bias", "modules_to_save")
+    assert lora["use_dora"] == {"use_dora.false": False, "use_dora.true": True}
+    assert {"use_dora": "use_dora.true", "lora_bias": "lora_bias.true"} in surfaces.model_invalid("lora", lora)
+    ids = {name: list(values) for name, values in lora.items()}
+    cells = axes.cover(ids, invalid=surfaces.model_invalid("lora", lora))
+    assert not axes.uncovered_pairs(ids, cells, surfaces.model_invalid("lora", lora))

@@ -89,7 +89,9 @@ def test_configs_fail_when_the_save_drops_the_trained_copies(monkeypatch, tmp_pa
     monkeypatch.setattr(peft.peft_model, "get_peft_model_state_dict",
                         lambda *args, **kwargs: {k: v for k, v in state_dict(*args, **kwargs).items() if "lm_head" not in k})
     with pytest.raises(AssertionError, match="the saved modules_to_save adapter holds no copy of 1 of its"):
-        configs.test_adapter_config_trains_saves_and_reloads(LLAMA3, scenario.ADAPTER_VARIANTS["modules_to_save"], False, tmp_path, prompt)
+        configs.test_adapter_config_trains_saves_and_reloads(LLAMA3, use_dora=False, use_rslora=False, lora_bias=False,
+                                                             modules_to_save=list(scenario.MODULES_TO_SAVE), quant=False,
+                                                             tmp_path=tmp_path, prompt=prompt)
 
 
 def test_configs_guard_fires_when_peft_ignores_the_configuration(monkeypatch):

@@ -2,21 +2,24 @@
 
 Precondition proven: the base is NF4 with nested quant state (or bf16 with no 4-bit layer); PEFT built what the
 configuration asks for (a DoRA magnitude on every LoRA layer, rsLoRA's scaling, trainable copies of the head and
-of the embeddings); the adapter changes the outputs before the round trip is judged.
+of the embeddings, a bias on every lora_B); the adapter changes the outputs before the round trip is judged.
 
 The journey, properties, upstream and tolerances: docs/family-notes.md#adapter_configs.
 """
 
 import pytest
 
-from stackcheck.harness import scenario
+from stackcheck.harness import scenario, surfaces
 
 ROUND_TRIP_TOLERANCE = 0.01
 QUANT = {"nf4": True, "bf16": False}
+LORA = surfaces.model_axes("lora", "use_dora", "use_rslora", "modules_to_save", "lora_bias")
 
 
-@pytest.mark.axes(config=scenario.ADAPTER_VARIANTS, quant=QUANT)
-def test_adapter_config_trains_saves_and_reloads(under_test, config, quant, tmp_path, prompt):
+@pytest.mark.axes(**LORA, quant=QUANT)
+@pytest.mark.axes_invalid(*surfaces.model_invalid("lora", LORA))
+def test_adapter_config_trains_saves_and_reloads(under_test, use_dora, use_rslora, modules_to_save, lora_bias, quant, tmp_path, prompt):
+    config = scenario.AdapterVariant.of(use_dora=use_dora, use_rslora=use_rslora, modules_to_save=modules_to_save, lora_bias=lora_bias)
     base = scenario.load_base(under_test, quantized=quant)
     if quant:
         scenario.first_nested_linear4bit(base)
