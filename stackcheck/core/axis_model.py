@@ -107,10 +107,10 @@ class AxisModel:
 
     def axis(self, surface: str, name: str) -> dict:
         """An axis's values (id -> value), as the families take them; KeyError where `name` is not an axis."""
-        hits = [rule for rule in self.rules_on(surface) if rule.matches(name) and rule.is_axis]
+        hits = [rule.values for rule in self.rules_on(surface) if rule.matches(name) and rule.values is not None]
         if len(hits) != 1:
             raise KeyError(f"{surface}.{name} is not one axis of the model ({len(hits)} axis rules match)")
-        return dict(hits[0].values)
+        return dict(hits[0])
 
     def constraints_on(self, surface: str) -> list[Constraint]:
         return [c for c in self.constraints if c.on == surface]
@@ -314,7 +314,7 @@ def page(model: AxisModel, recorded: dict[str, dict], generated: str) -> str:
         found = model.classify(sid, union[sid])
         absent = {name: [s for s in sets if name not in recorded[s]["surfaces"].get(sid, [])] for name in union[sid]}
 
-        def where(name: str) -> str:
+        def where(name: str, absent: dict[str, list[str]] = absent) -> str:
             return f" (not in {', '.join(absent[name])})" if absent[name] else ""
 
         lines += ["| field(s) | axis: values, or why not | note |", "|---|---|---|"]
@@ -324,7 +324,7 @@ def page(model: AxisModel, recorded: dict[str, dict], generated: str) -> str:
             shown = ", ".join(f"`{n}`{where(n)}" for n in names) or "(none in these releases)"
             if named_absent:
                 shown += f"; named but absent from every recorded release: {', '.join(f'`{n}`' for n in named_absent)}"
-            what = f"**axis**: {_values_text(rule.values)}" if rule.is_axis else f"not an axis: {rule.reason}"
+            what = f"**axis**: {_values_text(rule.values)}" if rule.values is not None else f"not an axis: {rule.reason}"
             note = rule.note + "".join(f" Threshold: [{t}](#threshold-{t})." for t in rule.thresholds)
             lines.append(f"| {_cell(shown)} | {_cell(what)} | {_cell(note)} |")
         for name in found.unclassified:

@@ -92,7 +92,7 @@ class AdapterVariant:
         return tiny.lora_config(under_test.arch, adapter, **{**dict(self.lora_kwargs), **overrides})
 
     @classmethod
-    def of(cls, **fields) -> "AdapterVariant":
+    def of(cls, **fields) -> AdapterVariant:
         """The variant of LoraConfig field values (the axis model's: `axis_model.DEFAULT` and False leave a field
         out), named as ADAPTER_VARIANTS names it where it is one of them (`lora` when nothing is set), so the merge
         contract finds the adapter this one trained."""
