@@ -10,6 +10,7 @@ import pytest
 from packaging.version import Version
 
 from stackcheck import cli
+from stackcheck.core.cell import Cell
 from stackcheck.commands.releases.bisect import BAD, GOOD, UNTESTABLE, Bisection, Candidate, git_candidates, release_candidates, search
 from stackcheck.core.versions import UsageError
 
@@ -51,7 +52,8 @@ def scripted(outcomes):
     def run_cells(candidate, run=1):
         calls.append(candidate.label)
         cells = outcomes[candidate.label]
-        return [dict(c) for c in (cells.pop(0) if isinstance(cells, list) and isinstance(cells[0], list) else cells)]
+        return [Cell("s", "params4bit_kwargs", c["test"], "cpu", c["verdict"], signature=c["signature"], bug=c["bug"])
+                for c in (cells.pop(0) if isinstance(cells, list) and isinstance(cells[0], list) else cells)]
 
     return run_cells, calls
 

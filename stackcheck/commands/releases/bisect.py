@@ -14,7 +14,7 @@ import re
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
@@ -22,6 +22,7 @@ from packaging.version import InvalidVersion, Version
 from stackcheck import REPO_ROOT
 from stackcheck.runner import lane
 from stackcheck.core import results
+from stackcheck.core.cell import Cell
 from stackcheck.commands.releases.probes import DEFAULT_STORE, Prober, ProbeStore
 from stackcheck.core.ledger import ERROR, FIXED, PASS, SKIPPED
 from stackcheck.core.versions import PACKAGES, UsageError, default_set, index_versions, parse_pin, resolve
@@ -40,9 +41,14 @@ class Probe:
     candidate: str
     run: int  # 2 for the re-run of a flipped probe
     side: str  # GOOD, BAD or UNTESTABLE
-    cells: list[dict]  # test, verdict, bug, signature
+    cells: list[Cell]
     reason: str | None
     seconds: float
+
+    def to_record(self) -> dict:
+        """The probe in the bisect record: each cell's test, verdict, bug and signature, what the answer compares."""
+        return {"candidate": self.candidate, "run": self.run, "side": self.side, "reason": self.reason, "seconds": self.seconds,
+                "cells": [{"test": c.test, "verdict": c.verdict, "bug": c.bug, "signature": c.signature} for c in self.cells]}
 
 
 def version_option(text: str, what: str) -> Version:
@@ -115,20 +121,20 @@ def signature_shape(signature: str | None) -> str:
     return re.sub(r"\d+(\.\d+)?", "#", signature or "")
 
 
-def observed(cells: list[dict], signatures: bool = False) -> tuple:
+def observed(cells: list[Cell], signatures: bool = False) -> tuple:
     """What a probe saw, comparable across versions: each test's verdict (`fixed` as `pass`) and bug, and
     with `signatures` its signature shape too."""
-    return tuple(sorted((c["test"], PASS if c["verdict"] == FIXED else c["verdict"], c.get("bug") or "")
-                        + ((signature_shape(c.get("signature")),) if signatures else ()) for c in cells))
+    return tuple(sorted((c.test, PASS if c.verdict == FIXED else c.verdict, c.bug or "")
+                        + ((signature_shape(c.signature),) if signatures else ()) for c in cells))
 
 
-def _untestable_reason(cells: list[dict], expected_tests: set[str] | None) -> str | None:
+def _untestable_reason(cells: list[Cell], expected_tests: set[str] | None) -> str | None:
     if not cells:
         return "no test result recorded (collection failed?)"
-    unreached = [c for c in cells if c["verdict"] in (ERROR, SKIPPED)]
+    unreached = [c for c in cells if c.verdict in (ERROR, SKIPPED)]
     if unreached:
-        return f"{unreached[0]['verdict']}: {unreached[0].get('signature') or unreached[0]['test']}"
-    if expected_tests is not None and {c["test"] for c in cells} != expected_tests:
+        return f"{unreached[0].verdict}: {unreached[0].signature or unreached[0].test}"
+    if expected_tests is not None and {c.test for c in cells} != expected_tests:
         return "ran other tests than the good endpoint"
     return None
 
@@ -136,7 +142,7 @@ def _untestable_reason(cells: list[dict], expected_tests: set[str] | None) -> st
 class Bisection:
     """One bisect run: probes candidates through `run_cells` and writes `record` to `output` after each."""
 
-    def __init__(self, candidates: list[Candidate], good_is_newer: bool, run_cells: Callable[[Candidate, int], list[dict]],
+    def __init__(self, candidates: list[Candidate], good_is_newer: bool, run_cells: Callable[[Candidate, int], list[Cell]],
                  record: dict, output: Path | None = None, signatures: bool = False):
         """`run_cells(candidate, run)`: the cells of a probe's run 1, or of its re-run (2), which must really run;
         `signatures`: a changed signature is a flip too (not only a changed verdict or bug)."""
@@ -149,7 +155,7 @@ class Bisection:
         self.started = time.monotonic()
         self._write()
 
-    def _outcome(self, cells: list[dict]) -> tuple:
+    def _outcome(self, cells: list[Cell]) -> tuple:
         return observed(cells, self.signatures)
 
     def _write(self) -> None:
@@ -159,7 +165,7 @@ class Bisection:
 
     def _probe(self, candidate: Candidate, run: int) -> Probe:
         started = time.monotonic()
-        cells = [{k: c.get(k) for k in ("test", "verdict", "bug", "signature")} for c in self.run_cells(candidate, run)]
+        cells = self.run_cells(candidate, run)
         reason = _untestable_reason(cells, self.good_tests)
         if reason:
             side = UNTESTABLE
@@ -168,7 +174,7 @@ class Bisection:
         else:
             side = BAD
         probe = Probe(candidate.label, run, side, cells, reason, round(time.monotonic() - started, 1))
-        self.record["probes"].append(asdict(probe))
+        self.record["probes"].append(probe.to_record())
         self._write()
         print(f"== bisect: {candidate.label} (run {run}): {side}" + (f", {reason}" if reason else ""), flush=True)
         return probe
@@ -206,7 +212,7 @@ class Bisection:
         good_probe = self._probe(good, 1)
         if good_probe.side == UNTESTABLE:
             return self._finish(f"the good endpoint {good.label} is untestable: {good_probe.reason}")
-        self.good_outcome, self.good_tests = self._outcome(good_probe.cells), {c["test"] for c in good_probe.cells}
+        self.good_outcome, self.good_tests = self._outcome(good_probe.cells), {c.test for c in good_probe.cells}
         bad_probe = self._probe(bad, 1)
         if bad_probe.side == GOOD:
             return self._finish(f"the endpoints do not differ: {bad.label} gives the same verdicts as {good.label}")
@@ -280,10 +286,10 @@ def run(args) -> int:
     store = ProbeStore(args.store or DEFAULT_STORE)
     prober = Prober(store, args.find_links, args.no_index, options=tuple(lane.arch_options(args.arch)))
 
-    def run_cells(candidate: Candidate, run: int) -> list[dict]:
+    def run_cells(candidate: Candidate, run: int) -> list[Cell]:
         (vset,) = resolve([base.name], [*args.overrides, candidate.pin])
         cells = prober.probe(candidate.label, vset, [family], fresh=run > 1).cells  # a flake check runs again
-        return [c for c in cells if not test or test.names(c["test"])]
+        return [c for c in cells if not test or test.names(c.test)]
 
     record = Bisection(candidates, good_is_newer, run_cells, record, output).run()
     print(summary(record))

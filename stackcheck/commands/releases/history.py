@@ -18,6 +18,7 @@ from pathlib import Path
 from stackcheck import REPO_ROOT
 from stackcheck.runner import envs, lane
 from stackcheck.core import results
+from stackcheck.core.cell import Cell
 from stackcheck.core.ledger import SEVERITY, Bug, Ledger, Verdict, family_modules
 from stackcheck.models import architectures
 from stackcheck.commands.releases.bisect import Candidate, observed, release_candidates, version_option
@@ -38,23 +39,23 @@ class Transition:
     before: str  # the release before
     after: str  # the first release with the new state
     kind: str  # VERDICT_TRANSITION or SIGNATURE_TRANSITION
-    old: list[dict]
-    new: list[dict]
+    old: list[Cell]
+    new: list[Cell]
 
 
-def by_family(cells: list[dict]) -> dict[str, list[dict]]:
-    families: dict[str, list[dict]] = {}
+def by_family(cells: list[Cell]) -> dict[str, list[Cell]]:
+    families: dict[str, list[Cell]] = {}
     for cell in cells:
-        families.setdefault(cell["family"], []).append(cell)
+        families.setdefault(cell.family, []).append(cell)
     return families
 
 
-def transitions(rows: list[tuple[str, list[dict] | None]], families: list[str]) -> list[Transition]:
+def transitions(rows: list[tuple[str, list[Cell] | None]], families: list[str]) -> list[Transition]:
     """The releases where a family's state changes, from rows of (release, cells or None when not probed),
     oldest first. A release without cells is passed over: the next probed one is compared with the last."""
     found = []
     for family in families:
-        last: tuple[str, list[dict]] | None = None
+        last: tuple[str, list[Cell]] | None = None
         for label, cells in rows:
             if cells is None:
                 continue
@@ -69,9 +70,9 @@ def transitions(rows: list[tuple[str, list[dict] | None]], families: list[str]) 
     return found
 
 
-def cell_code(cells: list[dict]) -> str:
+def cell_code(cells: list[Cell]) -> str:
     """The verdicts among a family's cells, worst first, as letters (VERDICT_CODES)."""
-    present = {c["verdict"] for c in cells}
+    present = {c.verdict for c in cells}
     return "/".join(VERDICT_CODES[Verdict(v)] for v in SEVERITY if v in present) or "–"
 
 
@@ -140,9 +141,9 @@ def render_markdown(sweep: dict, rows: list[tuple[str, Probe | None]], families:
     return "\n".join(lines) + "\n"
 
 
-def _cell_changes(old: list[dict], new: list[dict]) -> list[str]:
-    before = {c["test"]: c for c in old}
-    after = {c["test"]: c for c in new}
+def _cell_changes(old: list[Cell], new: list[Cell]) -> list[str]:
+    before = {c.test: c for c in old}
+    after = {c.test: c for c in new}
     lines = []
     for test in sorted(before.keys() | after.keys()):
         a, b = before.get(test), after.get(test)
@@ -153,29 +154,29 @@ def _cell_changes(old: list[dict], new: list[dict]) -> list[str]:
     return lines
 
 
-def _describe(cell: dict | None) -> str:
+def _describe(cell: Cell | None) -> str:
     if cell is None:
         return "absent"
-    text = cell["verdict"] + (f" ({cell['bug']})" if cell.get("bug") else "")
-    return text + (f" `{cell['signature'][:140]}`" if cell.get("signature") else "")
+    text = cell.verdict + (f" ({cell.bug})" if cell.bug else "")
+    return text + (f" `{cell.signature[:140]}`" if cell.signature else "")
 
 
 # A known bug at one release, from the cells of the tests the ledger runs it in (see `bug_state`).
 BUG_STATES = {"present": "#ff7f0e", "masked": "#7f7f7f", "absent": "#2ca02c", "not applicable": "#f4f4f4"}
 
 
-def bug_state(bug: Bug, cells: list[dict], ledger: Ledger, model_types: dict[str, str]) -> str:
+def bug_state(bug: Bug, cells: list[Cell], ledger: Ledger, model_types: dict[str, str]) -> str:
     """`present`: a failing cell names the bug; else `absent`: one of its tests passes (on an architecture the bug
     lives on); else `masked`: they fail before telling (an error, another bug, a new failure); else `not applicable`:
     the versions predate it, its tests are skipped here, or none ran."""
-    mine = [c for c in cells if c["family"] in ledger.families
-            and bug.lives_on(model_types.get(c["arch"]) if c.get("arch") else None)  # None: a test that builds no model
-            and bug in ledger.families[c["family"]].bugs_for(c["test"].split("::", 1)[-1])]
-    if any(c.get("bug") == bug.id and c["verdict"] in (Verdict.KNOWN_BUG, Verdict.NEW_FAILURE) for c in mine):
+    mine = [c for c in cells if c.family in ledger.families
+            and bug.lives_on(model_types.get(c.arch) if c.arch else None)  # None: a test that builds no model
+            and bug in ledger.families[c.family].bugs_for(c.test.split("::", 1)[-1])]
+    if any(c.bug == bug.id and c.verdict in (Verdict.KNOWN_BUG, Verdict.NEW_FAILURE) for c in mine):
         return "present"
-    if any(c["verdict"] in (Verdict.PASS, Verdict.FIXED) for c in mine):
+    if any(c.verdict in (Verdict.PASS, Verdict.FIXED) for c in mine):
         return "absent"
-    if any(c["verdict"] in (Verdict.ERROR, Verdict.NEW_FAILURE, Verdict.KNOWN_BUG) for c in mine):
+    if any(c.verdict in (Verdict.ERROR, Verdict.NEW_FAILURE, Verdict.KNOWN_BUG) for c in mine):
         return "masked"
     return "not applicable"
 
@@ -262,13 +263,15 @@ def default_output(package: str) -> Path:
 
 def map_record(sweep: dict, rows: list[tuple[str, Probe | None]]) -> dict:
     """The map as JSON: the sweep, each release's probe (None: not probed) and the transitions."""
-    releases = [{"release": label, "probe": asdict(probe) if probe else None} for label, probe in rows]
+    releases = [{"release": label, "probe": dict(asdict(probe), cells=[c.to_dict() for c in probe.cells]) if probe else None}
+                for label, probe in rows]
     found = transitions([(label, probe.cells if probe else None) for label, probe in rows], sweep["families"])
     return {"sweep": sweep, "releases": releases, "transitions": [asdict(t) for t in found]}
 
 
 def rows_of(record: dict) -> list[tuple[str, Probe | None]]:
-    return [(r["release"], Probe(**r["probe"]) if r["probe"] else None) for r in record["releases"]]
+    return [(r["release"], Probe(**dict(r["probe"], cells=[Cell.from_dict(c) for c in r["probe"]["cells"]])) if r["probe"] else None)
+            for r in record["releases"]]
 
 
 def _map_problem(data) -> str | None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from stackcheck import REPO_ROOT
 from stackcheck.runner import envs, lane
 from stackcheck.core import hostinfo, results
+from stackcheck.core.cell import Cell
 from stackcheck.core.versions import VersionSet
 
 
@@ -51,7 +52,7 @@ class Probe:
     """What a probe found: its cells and whether they came from the store rather than a run."""
 
     label: str
-    cells: list[dict]
+    cells: list[Cell]
     reused: bool
     costs: dict = field(default_factory=dict)
     concurrent: int = 1  # probes running at once when it ran
@@ -85,10 +86,10 @@ class ProbeStore:
         stored = self.entry(key)
         if stored is None or not set(families) <= set(stored["families"]):
             return None
-        cells = [c for c in stored["cells"] if c["family"] in families]
+        cells = [Cell.from_dict(c) for c in stored["cells"] if c["family"] in families]
         return Probe(label, cells, reused=True, costs=stored["costs"], concurrent=stored["concurrent"], versions=stored["versions"])
 
-    def add(self, key: dict, label: str, families: list[str], cells: list[dict], versions: dict, costs: dict,
+    def add(self, key: dict, label: str, families: list[str], cells: list[Cell], versions: dict, costs: dict,
             concurrent: int) -> None:
         """Record a probe. Under the same definitions its families' cells replace those stored for the key
         (other families' stay); under other definitions the whole entry is replaced."""
@@ -102,7 +103,7 @@ class ProbeStore:
                 "key": key, "label": label, "fingerprint": fingerprint,
                 # The families it ran, those of a run before kept (a family may have no cell: re-running another keeps it).
                 "families": sorted((set(same["families"]) if same is not None else set()) | set(families)),
-                "versions": versions, "cells": kept + cells,
+                "versions": versions, "cells": kept + [cell.to_dict() for cell in cells],
                 "costs": {name: round(value, 2) if value is not None else None for name, value in costs.items()},
                 "concurrent": concurrent, "finished": datetime.datetime.now().isoformat(timespec="seconds"),
             }
@@ -155,7 +156,7 @@ class Prober:
             matrix = Path(scratch) / "matrix.json"
             ran, costs = lane.run_timed(vset, lane.family_targets(families), matrix, self.find_links, self.no_index,
                                         lanes=self.lanes, env=env, options=list(self.options))
-            cells = [cell.to_dict() for cell in ran]  # the store keeps matrix.json's cells as they are on disk
+            cells = list(ran)
             installed = {k: v for k, v in results.load(matrix)["sets"].get(vset.name, {}).items() if k != "platform"}
         if environment is not None:
             total, reused = costs["total"], costs["environment"]

@@ -51,15 +51,15 @@ def _releases_problem(data) -> str | None:
 def as_results(vset: VersionSet, probe: Probe) -> dict:
     """A probe as gate.compare reads a set's results: its cells typed (the probe store keeps them as on disk)."""
     return {"sets": {vset.name: {k: v for k, v in probe.versions.items() if isinstance(v, str)}},
-            "cells": [Cell.from_dict(cell) for cell in probe.cells]}
+            "cells": list(probe.cells)}
 
 
-def flipped_families(before: list[dict], after: list[dict], families: list[str]) -> dict[str, bool]:
+def flipped_families(before: list[Cell], after: list[Cell], families: list[str]) -> dict[str, bool]:
     """Families whose cells differ, each with whether the verdicts or bugs differ (else only a signature)."""
     flips = {}
     for family in families:
-        old = [c for c in before if c["family"] == family]
-        new = [c for c in after if c["family"] == family]
+        old = [c for c in before if c.family == family]
+        new = [c for c in after if c.family == family]
         if observed(old, signatures=True) != observed(new, signatures=True):
             flips[family] = observed(old) != observed(new)
     return flips
