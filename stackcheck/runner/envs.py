@@ -29,7 +29,7 @@ from stackcheck import REPO_ROOT
 from stackcheck.process import cuda_driver
 from stackcheck.core import protocol
 from stackcheck.core.locking import folder_locked
-from stackcheck.core.versions import UsageError, VersionSet
+from stackcheck.core.versions import PACKAGES, UsageError, VersionSet
 
 ENVS_DIR = REPO_ROOT / ".stackcheck" / "envs"
 # pip's find-links directory on this kind of machine holds the CPU torch wheel; uv does not look there.
@@ -280,3 +280,63 @@ def versions_in(python: Path, vset: VersionSet) -> str:
         why = (completed.stderr.strip().splitlines() or [f"exit code {completed.returncode}"])[-1]
         raise EnvBuildError(f"the environment of set {vset.name} ({python}) cannot report its versions: {why}")
     return completed.stdout.strip()
+
+
+# Each library of a set imported in its environment, alone, before any cell runs (stackcheck.runner.lane.build_all):
+# the script prints, per package, "ok" or the exception's type and first line.
+IMPORT_CHECK = """
+import importlib, json, sys
+found = {}
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+        found[name] = "ok"
+    except BaseException as exc:  # an import may raise anything, SystemExit included
+        found[name] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+print(json.dumps(found))
+"""
+
+
+def import_problem(python: Path) -> str | None:
+    """Why the set cannot run in the environment at `python` (a library that does not import there), in one line;
+    None when every library of PACKAGES that is installed imports. Kept beside the environment's requirements stamp,
+    so an environment built once is checked once."""
+    env = python.parent.parent
+    stamp, kept = env / "stackcheck-requirements.txt", env / "stackcheck-imports.json"
+    key = stamp.read_text() if stamp.is_file() else None
+    if key is not None and kept.is_file():
+        cached = json.loads(kept.read_text())
+        if cached.get("stamp") == key:
+            return cached["problem"]
+    problem = _import_problem(python)
+    if key is not None:
+        kept.write_text(json.dumps({"stamp": key, "problem": problem}))
+    return problem
+
+
+def _import_problem(python: Path) -> str | None:
+    completed = subprocess.run([str(python), "-c", IMPORT_CHECK, *PACKAGES], capture_output=True, text=True, cwd=REPO_ROOT,
+                               env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    try:
+        found = json.loads(completed.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        why = (completed.stderr.strip().splitlines() or [f"exit code {completed.returncode}"])[-1]
+        return f"its Python cannot import the libraries ({why})"
+    broken = {name: why for name, why in found.items() if why != "ok" and not why.startswith("ModuleNotFoundError: No module named '" + name + "'")}
+    if not broken:
+        return None
+    name, why = next(iter(broken.items()))
+    version = _installed_version(python, name)
+    where = f"Python {_python_version(python)}"
+    return f"{name} {version} does not import on {where} ({why})"
+
+
+def _installed_version(python: Path, package: str) -> str:
+    code = f"from importlib import metadata; print(metadata.version({package!r}))"
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    return done.stdout.strip() or "(version unknown)"
+
+
+def _python_version(python: Path) -> str:
+    done = subprocess.run([str(python), "-c", "import platform; print(platform.python_version())"], capture_output=True, text=True)
+    return ".".join(done.stdout.strip().split(".")[:2]) or "?"

@@ -67,3 +67,18 @@ def test_without_any_torch_the_package_index_chooses_and_the_note_says_so(monkey
     assert requirements == ["torch"] and not inherit
     note = envs.torch_note(default_set())
     assert note.startswith("torch for set seed: the package index's newest") and "UV_TORCH_BACKEND=cpu" in note
+
+
+def test_a_library_that_does_not_import_makes_the_set_unusable_in_one_line(tmp_path, monkeypatch):
+    """deepspeed 0.19.2 on Python 3.12 raises `No module named 'distutils'` at import: a library of the set that does
+    not import in its environment is named, with its version, its Python and why (a stand-in package raises the
+    same error first on the path, as a deliberately broken environment)."""
+    broken = tmp_path / "site" / "deepspeed"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'distutils'\")\n")
+    python = Path(sys.executable)
+    assert envs._import_problem(python) is None, "scenario not reached: this environment's libraries must import"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    problem = envs._import_problem(python)
+    assert problem is not None and problem.startswith("deepspeed ") and problem.endswith(
+        f"does not import on Python {sys.version_info.major}.{sys.version_info.minor} (ModuleNotFoundError: No module named 'distutils')"), problem
