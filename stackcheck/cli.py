@@ -20,7 +20,7 @@ from stackcheck.core.ledger import LedgerError
 from stackcheck.core.protocol import DEFAULT_RESULTS, RESULTS_DIR
 from stackcheck.core.versions import PIN_HELP, UsageError
 from stackcheck.models import architectures
-from stackcheck.runner import envs, exitcodes, inputs
+from stackcheck.runner import envs, exitcodes, inputs, signals
 from stackcheck.runner.inputs import check_file_option, check_folder_option
 from stackcheck.runner.lane import ARCH_HELP, arch_options
 
@@ -267,8 +267,8 @@ KEPT = {
 
 
 def kept_after_interrupt(args) -> str:
-    """The end of the one line Ctrl-C leaves: what the command had finished and where it is kept (every command
-    writes its results as they finish; a file is never left half-written)."""
+    """The end of the one line Ctrl-C (or SIGTERM, SIGHUP) leaves: what the command had finished and where it is kept
+    (every command writes its results as they finish; a file is never left half-written)."""
     kept = []
     for what, place in KEPT.get(getattr(args, "command", None), []):
         path = Path(place(args))
@@ -276,7 +276,9 @@ def kept_after_interrupt(args) -> str:
             continue
         if what == "cells":
             try:
-                what = f"{len(results.load(path)['cells'])} finished cells"
+                data = results.load(path)
+                waiting = len(data["not_run"])
+                what = f"{len(data['cells'])} finished cells" + (f" ({waiting} not run)" if waiting else "")
             except (OSError, ValueError, KeyError, TypeError):
                 what = "the finished cells"
         kept.append(f"{what} in {path}")
@@ -284,17 +286,22 @@ def kept_after_interrupt(args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Every command: its exit code, 2 on a usage error (one line). Ctrl-C is one line saying what was kept, and exit
-    130; a reader that stops reading (`doctor --json | head`) ends the command quietly with 141, as SIGPIPE would."""
+    """Every command: its exit code, 2 on a usage error (one line). Ctrl-C, SIGTERM and SIGHUP are one line saying what
+    was kept, the pytest children stopped (stackcheck.runner.signals), and exit 128 + the signal (130, 143, 129); a
+    reader that stops reading (`doctor --json | head`) ends the command quietly with 141, as SIGPIPE would."""
     argv = sys.argv[1:] if argv is None else argv
     parsed: list = []
     try:
-        code = _main(argv, parsed)
-        sys.stdout.flush()  # a reader gone away is found here, not in the interpreter's own flush at exit
-        return code
-    except KeyboardInterrupt:
-        print(f"stackcheck: interrupted: {kept_after_interrupt(parsed[0] if parsed else None)}", file=sys.stderr)
-        return exitcodes.INTERRUPTED
+        with signals.handled():
+            try:
+                code = _main(argv, parsed)
+                sys.stdout.flush()  # a reader gone away is found here, not in the interpreter's own flush at exit
+                return code
+            except KeyboardInterrupt as interruption:
+                signals.stop_all()  # children of other threads (history's probes); the main thread's are stopped
+                print(f"stackcheck: interrupted{signals.described(interruption)}: "
+                      f"{kept_after_interrupt(parsed[0] if parsed else None)}", file=sys.stderr)
+                return exitcodes.interrupted(signals.signal_of(interruption))
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more reaches the closed pipe
         return exitcodes.READER_GONE

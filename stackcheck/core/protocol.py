@@ -33,6 +33,7 @@ REPRO_PARAMS_ENV = "STACKCHECK_REPRO_PARAMS"  # where `repro`'s collecting child
 SCAN_IN_ENV = "STACKCHECK_SCAN_IN"  # `scan --python P` runs itself again under P, which this names
 DIST_LANE_ENV = "STACKCHECK_DIST_LANE"  # a distributed job's lane, for its ranks (stackcheck.distributed.rank)
 RANK_POOL_ENV = "STACKCHECK_RANK_POOL"  # 1: warm rank pools and the warm resume process (stackcheck.process.warm)
+COMMAND_PID_ENV = "STACKCHECK_COMMAND_PID"  # the command's process id: the child ends when it is gone (stackcheck.child.signals)
 WARMING_ENV = "STACKCHECK_WARMING"  # the bytecode warmer's marker and process id, for the workers (stackcheck.process.warmer)
 # Variables a user (or a harness test) sets.
 FIXTURES_ENV = "STACKCHECK_FIXTURES"  # the fixtures folder (a harness test breaks a precondition through it)

@@ -288,6 +288,13 @@ def _seed_architecture() -> Architecture:
     return Architecture(SEED_ARCHITECTURE, str(SEED_TINY_CONFIG.relative_to(FIXTURES_DIR.parent)), config, _declared(written))
 
 
+def comment(arch: Architecture) -> str:
+    """What a built-in architecture's fixture says of itself (its `_comment`: the full-size model and where its
+    config was read)."""
+    path = SEED_TINY_CONFIG if arch.name == SEED_ARCHITECTURE else ARCHITECTURES_DIR / f"{arch.name}.json"
+    return str(_read_config(path).get("_comment", ""))
+
+
 @cache
 def builtin() -> dict[str, Architecture]:
     """The built-in architectures by name, the seed's first."""
