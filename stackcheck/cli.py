@@ -18,7 +18,7 @@ from stackcheck.commands.triage import doctor, repro, scan
 from stackcheck.core import results
 from stackcheck.core.ledger import LedgerError
 from stackcheck.core.protocol import DEFAULT_RESULTS, RESULTS_DIR
-from stackcheck.core.versions import PIN_HELP, UsageError
+from stackcheck.core.versions import PIN_HELP, UsageError, canonical_pin
 from stackcheck.models import architectures
 from stackcheck.runner import envs, exitcodes, inputs, signals
 from stackcheck.runner.inputs import check_file_option, check_folder_option
@@ -53,6 +53,8 @@ READ_PATHS = {"inputs": ("merge input", "file"), "source": ("--from", "file"), "
 def check_common_options(args) -> None:
     """The set and install options every command shares, before any set is resolved or built (the rules every
     option follows, empty values and repeated options among them, are stackcheck.runner.inputs')."""
+    if getattr(args, "overrides", None):  # one spelling of each pin: one set, one environment (versions.canonical_pin)
+        args.overrides = [canonical_pin(token) for token in args.overrides]
     if getattr(args, "no_index", False) and not args.find_links:
         raise UsageError("--no-index installs only from --find-links folders: name one with --find-links DIR")
     if getattr(args, "find_links", None):  # absolute, as every path option: the installers run elsewhere than the caller
@@ -198,7 +200,8 @@ def _parser() -> argparse.ArgumentParser:
     scan = commands.add_parser("scan", help="preflight a model folder (and adapter folder) on the meta device")
     scan.add_argument("model", type=absolute_path, help="folder with the model's config.json (no weights are read)")
     scan.add_argument("adapter", type=absolute_path, nargs="?", help="folder with an adapter_config.json")
-    scan.add_argument("--device-map", help="the device_map, as JSON or a .json file")
+    scan.add_argument("--device-map", help="the device_map as from_pretrained takes it: auto, balanced, balanced_low_0 or "
+                      "sequential (accelerate's map), one device (cpu, cuda:0), or a map as JSON or a .json file")
     scan.add_argument("--max-memory", help="max_memory, as JSON or a .json file (without --device-map: accelerate's 'auto' map)")
     scan.add_argument("--quantization", help="BitsAndBytesConfig arguments, as JSON or a .json file")
     scan.add_argument("--python", help="the interpreter whose libraries build the model (default: this one)")
