@@ -40,7 +40,8 @@ def handled():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {signum: signal.signal(signum, _raise) for signum in STOPPING}
+    # A signal ignored when the command started stays ignored (`nohup` ignores SIGHUP on purpose).
+    previous = {signum: signal.signal(signum, _raise) for signum in STOPPING if signal.getsignal(signum) != signal.SIG_IGN}
     try:
         yield
     finally:
