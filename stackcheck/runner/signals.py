@@ -30,18 +30,37 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _raise(signum, frame):
+    """Every child is told at once (the main thread's and those of threads, which wait on theirs: history's probes),
+    then the interruption is raised in the main thread."""
+    for child in list(LIVE):
+        _interrupt(child)
     raise Interrupted(signum)
+
+
+def _interrupt(child: subprocess.Popen) -> None:
+    """SIGINT, once, to a child's process group, as a terminal's Ctrl-C reaches it (a second one could cut short the
+    recorder's last write)."""
+    if getattr(child, "own_group", False) and not getattr(child, "interrupted", False):
+        child.interrupted = True
+        try:
+            os.killpg(child.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
 
 
 @contextmanager
 def handled():
-    """SIGTERM and SIGHUP raise `Interrupted` while the block runs; the handlers before it come back after (nox calls
-    the command in its own process). Outside the main thread, where no handler can be set, nothing changes."""
+    """Ctrl-C, SIGTERM and SIGHUP tell every child (`_raise`) and raise `Interrupted` while the block runs; the handlers
+    before it come back after (nox calls the command in its own process). Outside the main thread, where no handler can
+    be set, nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    # A signal ignored when the command started stays ignored (`nohup` ignores SIGHUP on purpose).
-    previous = {signum: signal.signal(signum, _raise) for signum in STOPPING if signal.getsignal(signum) != signal.SIG_IGN}
+    # A signal ignored when the command started stays ignored (`nohup` ignores SIGHUP on purpose, a shell's background
+    # job SIGINT); SIGINT is taken over only from Python's own Ctrl-C handler.
+    previous = {signum: signal.signal(signum, _raise) for signum in (signal.SIGINT, *STOPPING)
+                if signal.getsignal(signum) not in (signal.SIG_IGN, None)
+                and (signum != signal.SIGINT or signal.getsignal(signum) is signal.default_int_handler)}
     try:
         yield
     finally:
@@ -97,10 +116,8 @@ def stop(child: subprocess.Popen) -> None:
         child.wait()
         return
     try:
-        os.killpg(child.pid, signal.SIGINT)
+        _interrupt(child)
         _ended(child.pid, STOP_SECONDS)
-    except ProcessLookupError:
-        pass
     except KeyboardInterrupt:  # a second signal: no more waiting
         pass
     finally:
