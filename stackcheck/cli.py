@@ -18,9 +18,9 @@ from stackcheck.commands.triage import doctor, repro, scan
 from stackcheck.core import results
 from stackcheck.core.ledger import LedgerError
 from stackcheck.core.protocol import DEFAULT_RESULTS, RESULTS_DIR
-from stackcheck.core.versions import PIN_HELP, UsageError
+from stackcheck.core.versions import PIN_HELP, UsageError, canonical_pin
 from stackcheck.models import architectures
-from stackcheck.runner import envs, exitcodes, inputs
+from stackcheck.runner import envs, exitcodes, inputs, signals
 from stackcheck.runner.inputs import check_file_option, check_folder_option
 from stackcheck.runner.lane import ARCH_HELP, arch_options
 
@@ -53,6 +53,8 @@ READ_PATHS = {"inputs": ("merge input", "file"), "source": ("--from", "file"), "
 def check_common_options(args) -> None:
     """The set and install options every command shares, before any set is resolved or built (the rules every
     option follows, empty values and repeated options among them, are stackcheck.runner.inputs')."""
+    if getattr(args, "overrides", None):  # one spelling of each pin: one set, one environment (versions.canonical_pin)
+        args.overrides = [canonical_pin(token) for token in args.overrides]
     if getattr(args, "no_index", False) and not args.find_links:
         raise UsageError("--no-index installs only from --find-links folders: name one with --find-links DIR")
     if getattr(args, "find_links", None):  # absolute, as every path option: the installers run elsewhere than the caller
@@ -198,7 +200,8 @@ def _parser() -> argparse.ArgumentParser:
     scan = commands.add_parser("scan", help="preflight a model folder (and adapter folder) on the meta device")
     scan.add_argument("model", type=absolute_path, help="folder with the model's config.json (no weights are read)")
     scan.add_argument("adapter", type=absolute_path, nargs="?", help="folder with an adapter_config.json")
-    scan.add_argument("--device-map", help="the device_map, as JSON or a .json file")
+    scan.add_argument("--device-map", help="the device_map as from_pretrained takes it: auto, balanced, balanced_low_0 or "
+                      "sequential (accelerate's map), one device (cpu, cuda:0), or a map as JSON or a .json file")
     scan.add_argument("--max-memory", help="max_memory, as JSON or a .json file (without --device-map: accelerate's 'auto' map)")
     scan.add_argument("--quantization", help="BitsAndBytesConfig arguments, as JSON or a .json file")
     scan.add_argument("--python", help="the interpreter whose libraries build the model (default: this one)")
@@ -267,8 +270,8 @@ KEPT = {
 
 
 def kept_after_interrupt(args) -> str:
-    """The end of the one line Ctrl-C leaves: what the command had finished and where it is kept (every command
-    writes its results as they finish; a file is never left half-written)."""
+    """The end of the one line Ctrl-C (or SIGTERM, SIGHUP) leaves: what the command had finished and where it is kept
+    (every command writes its results as they finish; a file is never left half-written)."""
     kept = []
     for what, place in KEPT.get(getattr(args, "command", None), []):
         path = Path(place(args))
@@ -276,7 +279,9 @@ def kept_after_interrupt(args) -> str:
             continue
         if what == "cells":
             try:
-                what = f"{len(results.load(path)['cells'])} finished cells"
+                data = results.load(path)
+                waiting = len(data["not_run"])
+                what = f"{len(data['cells'])} finished cells" + (f" ({waiting} not run)" if waiting else "")
             except (OSError, ValueError, KeyError, TypeError):
                 what = "the finished cells"
         kept.append(f"{what} in {path}")
@@ -284,17 +289,22 @@ def kept_after_interrupt(args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Every command: its exit code, 2 on a usage error (one line). Ctrl-C is one line saying what was kept, and exit
-    130; a reader that stops reading (`doctor --json | head`) ends the command quietly with 141, as SIGPIPE would."""
+    """Every command: its exit code, 2 on a usage error (one line). Ctrl-C, SIGTERM and SIGHUP are one line saying what
+    was kept, the pytest children stopped (stackcheck.runner.signals), and exit 128 + the signal (130, 143, 129); a
+    reader that stops reading (`doctor --json | head`) ends the command quietly with 141, as SIGPIPE would."""
     argv = sys.argv[1:] if argv is None else argv
     parsed: list = []
     try:
-        code = _main(argv, parsed)
-        sys.stdout.flush()  # a reader gone away is found here, not in the interpreter's own flush at exit
-        return code
-    except KeyboardInterrupt:
-        print(f"stackcheck: interrupted: {kept_after_interrupt(parsed[0] if parsed else None)}", file=sys.stderr)
-        return exitcodes.INTERRUPTED
+        with signals.handled():
+            try:
+                code = _main(argv, parsed)
+                sys.stdout.flush()  # a reader gone away is found here, not in the interpreter's own flush at exit
+                return code
+            except KeyboardInterrupt as interruption:
+                signals.stop_all()  # children of other threads (history's probes); the main thread's are stopped
+                print(f"stackcheck: interrupted{signals.described(interruption)}: "
+                      f"{kept_after_interrupt(parsed[0] if parsed else None)}", file=sys.stderr)
+                return exitcodes.interrupted(signals.signal_of(interruption))
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more reaches the closed pipe
         return exitcodes.READER_GONE

@@ -1,6 +1,7 @@
 """Every pytest plugin of the child, registered once, in this order (pyproject's addopts: `-p stackcheck.child.plugins`)."""
 
 pytest_plugins = (
+    "stackcheck.child.signals",  # SIGTERM and SIGHUP as Ctrl-C; the run ends with its command
     "stackcheck.child.axes",  # a contract test's pairwise cells
     "stackcheck.child.setup",  # options, the run's state, xdist workers' GPUs and cores; the recorder
     "stackcheck.child.lanes",  # lanes, architectures, the shared fixtures

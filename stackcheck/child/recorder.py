@@ -30,12 +30,13 @@ class Recorder:
     comes.
 
     Nothing is written until collection finishes. Then, in one step (results.begin_run), the set's versions are
-    recorded and each collected cell gets a placeholder (`error`, cell lost), which its verdict replaces as it comes:
-    a crashed process leaves its cells lost, never missing. Only the collected cells are replaced: a `-k`, another
-    architecture, lane or family keeps every other cell, a run that collects nothing changes nothing. A run that stops
-    early (Ctrl-C, -x, --maxfail) puts back the cells its placeholders replaced."""
+    recorded and each collected cell without a verdict on record is listed as not run, apart from the verdicts; a
+    verdict on record stays until this run's replaces it. So the file on disk is whole at every moment: a run stopped
+    (Ctrl-C, SIGTERM, -x, --maxfail) or killed (SIGKILL, a crash) leaves the verdicts it recorded, every earlier one
+    of the cells it did not reach, and its other cells not run; nothing needs putting back. Only the collected cells
+    are touched: a `-k`, another architecture, lane or family keeps every other cell, a run that collects nothing
+    changes nothing."""
 
-    STOPPED = "cell not run: the run stopped before this cell (Ctrl-C, -x or --maxfail)"
     FLUSH_EVERY = 1.0
     # matrix.json takes every verdict within FLUSH_EVERY; matrix.md, rendered from it, follows within this many seconds,
     # and at the run's end.
@@ -50,8 +51,6 @@ class Recorder:
         self.seconds: dict[str, float] = {}
         self.started = False
         self.unimportable: list[Cell] = []  # cells of family modules that did not import, until the run starts
-        self.placeholders: dict[tuple[str, str, str], Cell] = {}  # the run's cells still waiting for a verdict
-        self.replaced: dict[tuple[str, str, str], Cell] = {}  # what the placeholders replaced
         self.rendered = time.monotonic()  # when matrix.md was last rendered (begin_run renders it)
         self.pending: list[Cell] = []  # verdicts not yet written, oldest first
         self.flushed = time.monotonic()
@@ -64,8 +63,6 @@ class Recorder:
 
     def _record(self, cells: list[Cell]) -> None:
         with self.lock:
-            for cell in cells:
-                self.placeholders.pop(cell.key, None)
             self.pending += cells
             if time.monotonic() - self.flushed >= self.FLUSH_EVERY:
                 self._flush()
@@ -94,12 +91,12 @@ class Recorder:
         if self.started:  # under xdist every worker reports the same collection: the first one starts the run
             # (building every worker's placeholders anyway held the first tests back: docs/speed.md, session 18)
             return
-        cells = [self._lost(nodeid, family) for nodeid in nodeids if (family := family_of(nodeid))] + self.unimportable
-        if not cells:
+        collected = [Cell.not_run(self.set_name, family, nodeid, self.arch_names, self.run)
+                     for nodeid in nodeids if (family := family_of(nodeid))]
+        if not collected and not self.unimportable:
             return
         self.started = True
-        self.replaced = results.begin_run(self.path, self.set_name, self.versions, self.platform(), cells, self.fingerprint)
-        self.placeholders = {cell.key: cell for cell in cells if cell not in self.unimportable}
+        results.begin_run(self.path, self.set_name, self.versions, self.platform(), collected, self.fingerprint, self.unimportable)
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self._start([item.nodeid for item in session.items])
@@ -132,17 +129,13 @@ class Recorder:
             self._record([cell.replace(seconds=round(self.seconds[report.nodeid], 2), run=self.run)])
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        """Cells the run never reached (it stopped early; a crashed process never gets here) get back what they
-        replaced, or say that they were not run; matrix.md shows every verdict."""
+        """The verdicts still waiting are written; cells the run never reached stay as they are on disk (their earlier
+        verdict, or not run); matrix.md shows every cell."""
         self.stop.set()
         if self.writer is not None:
             self.writer.join()
         with self.lock:
             self._flush()
-        if self.placeholders:
-            back = [self.replaced.get(key) or cell.replace(signature=self.STOPPED) for key, cell in self.placeholders.items()]
-            results.end_run(self.path, back, self.run, self.fingerprint)
-            self.placeholders = {}
         if self.started:
             results.write_markdown(self.path, self.fingerprint)
 

@@ -172,4 +172,5 @@ def run(args) -> int:
         with open(os.environ["GITHUB_STEP_SUMMARY"], "a") as handle:
             handle.write(summary)
     print(summary)
+    print(f"wrote {args.output / 'summary.md'} and {matrix}", flush=True)  # where the summary above is kept
     return 1 if any(f.status == REGRESSION for f in findings) else 0

@@ -7,7 +7,7 @@ import re
 import sys
 
 from stackcheck.core import results
-from stackcheck.core.versions import UsageError, load_sets, parse_pin, refresh_latest as newest_latest, resolve
+from stackcheck.core.versions import ENGINES, TRAINERS, UsageError, load_sets, parse_pin, refresh_latest as newest_latest, resolve
 from stackcheck.runner import envs, exitcodes, wheelhouse as wheels
 from stackcheck.runner.inputs import check_file_option, check_folder_option, selected_sets
 
@@ -30,13 +30,24 @@ def versions(args) -> int:
     if args.check:
         check_with_pins(args)
     for vset in sets:
-        print(f"{vset.name}: " + ", ".join(f"{k} {v}" for k, v in vset.pins.items()))
+        print(f"{vset.name}: " + ", ".join(f"{k} {v}" for k, v in vset.pins.items()) + extras_pinned(vset))
     if pins and not args.check:
         print(f"stackcheck: the --with pins ({', '.join(args.overrides)}) are not checked against the package index: "
               "--check asks it; matrix, tests, gate and bench check them when they build the environment", file=sys.stderr)
     elif pins:
         print(f"stackcheck: the package index has {', '.join(pin.requirement() for pin in pins)}", file=sys.stderr)
     return exitcodes.OK
+
+
+def extras_pinned(vset) -> str:
+    """What every environment of the set also installs at one release, trl and deepspeed, where the set does not pin
+    them itself (pyproject's extras: envs.test_requirements)."""
+    from packaging.requirements import Requirement
+
+    pinned = [(Requirement(text).name, next(iter(Requirement(text).specifier)).version)
+              for text in envs.test_requirements(vset) if Requirement(text).name in (*TRAINERS, *ENGINES)
+              and len(Requirement(text).specifier) == 1]
+    return f"; {', '.join(f'{name} {version}' for name, version in pinned)} (pyproject's extras)" if pinned else ""
 
 
 def wheelhouse(args) -> int:

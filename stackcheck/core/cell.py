@@ -22,6 +22,10 @@ KEYS = ("set", "family", "test", "lane", "arch", "verdict", "signature", "bug", 
 OPTIONAL_KEYS = ("ranks", "run", "detail")
 DETAIL_LINES, DETAIL_CHARS = 30, 3000
 LOST = "cell lost: the run ended before this cell's verdict (a crashed worker or process)"
+# A cell a run collected and has not given a verdict (yet): kept apart from the verdicts, in matrix.json's `not_run`
+# (stackcheck.core.results), never in place of one. A run stopped or killed before the cell leaves it so.
+NOT_RUN = "not_run"
+NOT_RUN_NOTE = "not run: the run ended before this cell (stopped, killed, or crashed), or is still running"
 
 
 def detail_of(message: str) -> str | None:
@@ -95,9 +99,14 @@ class Cell:
     @classmethod
     def lost(cls, set_name: str, family: str, nodeid: str, arch_names: list[str], signature: str = LOST,
              note: str | None = None, run: str | None = None) -> Cell:
-        """An `error` cell with no verdict of its own: the placeholder of a collected test until its verdict comes,
-        a test whose worker crashed, a module that did not import."""
+        """An `error` cell with no verdict of its own: a test whose worker crashed, a module that did not import."""
         return cls(set_name, family, nodeid, lane_of(nodeid), str(ERROR), arch_of(nodeid, arch_names), signature, None, note,
+                   0.0, run=run)
+
+    @classmethod
+    def not_run(cls, set_name: str, family: str, nodeid: str, arch_names: list[str], run: str | None = None) -> Cell:
+        """A collected cell without a verdict of its run: matrix.json's `not_run`, apart from the verdicts."""
+        return cls(set_name, family, nodeid, lane_of(nodeid), NOT_RUN, arch_of(nodeid, arch_names), None, None, NOT_RUN_NOTE,
                    0.0, run=run)
 
     @classmethod

@@ -54,6 +54,7 @@ PROGRESS_ENV = _variable("STACKCHECK_PROGRESS", COMMAND, "the long run's state, 
 REPRO_PARAMS_ENV = _variable("STACKCHECK_REPRO_PARAMS", COMMAND, "where `repro`'s collecting child writes a test's parameters")
 SCAN_IN_ENV = _variable("STACKCHECK_SCAN_IN", COMMAND, "`scan --python P` runs itself again under P, which this names")
 DIST_LANE_ENV = _variable("STACKCHECK_DIST_LANE", COMMAND, "a distributed job's lane, for its ranks (stackcheck.distributed.rank)")
+COMMAND_PID_ENV = _variable("STACKCHECK_COMMAND_PID", COMMAND, "the command's process id: the child ends when it is gone (stackcheck.child.signals)")
 WARMING_ENV = _variable("STACKCHECK_WARMING", COMMAND, "the bytecode warmer's marker and process id, for the workers (stackcheck.process.warmer)")
 GPU_WAIT_ENV = _variable("STACKCHECK_GPU_WAIT", COMMAND, "how a process on a shared GPU host waits for its GPU: `block` (asleep, set by an xdist "
                          "worker for what it starts) or `spin` (CUDA's default; a user may set it) (stackcheck.process.gpu_wait)")

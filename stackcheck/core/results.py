@@ -1,4 +1,9 @@
-"""results/matrix.json (written cell by cell, so a crash loses nothing) and the matrix.md rendered from it."""
+"""results/matrix.json (written cell by cell, so a crash loses nothing) and the matrix.md rendered from it.
+
+matrix.json holds `sets`, `cells` (the verdicts), `fingerprint`, and `not_run`: the cells a run collected that have no
+verdict of it and none from before (stackcheck.core.cell.NOT_RUN). A collected cell never takes the place of a recorded
+verdict: a run killed at any moment (SIGKILL included) leaves every earlier verdict on disk, its own recorded ones
+beside them, and the rest listed as not run. Every write is atomic (a temporary file renamed over the old one)."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from pathlib import Path
 
 from stackcheck import REPO_ROOT
 from stackcheck.core import hostinfo
-from stackcheck.core.cell import KEYS, LOST, Cell, arch_of, lane_of  # noqa: F401 - lane_of and arch_of are read from here too
+from stackcheck.core.cell import KEYS, NOT_RUN, NOT_RUN_NOTE, Cell, arch_of, lane_of  # noqa: F401 - lane_of and arch_of are read from here too
 from stackcheck.core.locking import folder_locked
 from stackcheck.core.ledger import CONTRACT_DIR, FAMILIES_DIR, SEVERITY, SKIPPED, Ledger, Verdict
 from stackcheck.core.versions import UsageError, load_sets
@@ -48,12 +53,13 @@ def fingerprint() -> str:
 
 
 def empty() -> dict:
-    return {"sets": {}, "cells": []}
+    return {"sets": {}, "cells": [], "not_run": []}
 
 
 def _decoded(data: dict) -> dict:
-    """matrix.json's data with its cells as `Cell`s."""
-    return dict(data, cells=[Cell.from_dict(cell) for cell in data["cells"]])
+    """matrix.json's data with its cells (and not-run cells; none in a file from before them) as `Cell`s."""
+    return dict(data, cells=[Cell.from_dict(cell) for cell in data["cells"]],
+                not_run=[Cell.from_dict(cell) for cell in data.get("not_run") or []])
 
 
 def load(path: Path) -> dict:
@@ -99,18 +105,25 @@ def _encode(value):
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+CELL_LISTS = ("cells", "not_run")  # the lists of cells in matrix.json, written one cell to a line
+
+
 def dumps(data: dict) -> str:
-    """`data` as JSON, keys sorted, indented; a list of cells one cell to a line. Each cell is encoded by json's C
-    encoder, which `indent` would turn off: matrix.json is written again within a second of every verdict (6.5 ms for
-    one set's 1243 cells, against 13 ms indented throughout; docs/speed.md)."""
-    cells = data.get("cells")
-    if not isinstance(cells, list) or not cells:
+    """`data` as JSON, keys sorted, indented; a list of cells one cell to a line (an empty `not_run` is left out). Each
+    cell is encoded by json's C encoder, which `indent` would turn off: matrix.json is written again within a second of
+    every verdict (6.5 ms for one set's 1243 cells, against 13 ms indented throughout; docs/speed.md)."""
+    data = {key: value for key, value in data.items() if not (key == "not_run" and not value)}
+    lists = {key: data[key] for key in CELL_LISTS if isinstance(data.get(key), list) and data[key]}
+    if not lists:
         return json.dumps(data, indent=2, sort_keys=True, default=_encode) + "\n"
-    rest = json.dumps({key: value for key, value in data.items() if key != "cells"}, indent=2, sort_keys=True, default=_encode)
-    lines = ",\n".join("    " + json.dumps(cell, sort_keys=True, default=_encode) for cell in cells)
-    head = '{\n  "cells": [\n' + lines + "\n  ]"
-    # "cells" sorts before the file's other keys (fingerprint, sets): the same order as sort_keys
-    return head + (",\n" + rest[2:] if rest != "{}" else "\n}") + "\n"
+    parts = []
+    for key in sorted(data):
+        if key in lists:
+            cells = ",\n".join("    " + json.dumps(cell, sort_keys=True, default=_encode) for cell in lists[key])
+            parts.append(f'  "{key}": [\n{cells}\n  ]')
+        else:
+            parts.append(f"  {json.dumps(key)}: " + json.dumps(data[key], indent=2, sort_keys=True, default=_encode).replace("\n", "\n  "))
+    return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -157,6 +170,10 @@ def merge_into(target: dict, incoming: dict) -> dict:
     target["cells"] = [cell for cell in target["cells"] if cell.key not in fresh]
     target["cells"].extend(fresh.values())
     target["cells"].sort(key=lambda c: (c.set_name, c.family, c.lane, c.test))
+    # A verdict ends a cell's not-run state; a not-run cell never takes a verdict's place.
+    judged = {cell.key for cell in target["cells"]}
+    waiting = {cell.key: cell for cell in [*target.get("not_run", []), *incoming.get("not_run", [])] if cell.key not in judged}
+    target["not_run"] = sorted(waiting.values(), key=lambda c: (c.set_name, c.family, c.lane, c.test))
     return target
 
 
@@ -181,18 +198,25 @@ def _set_entry(data: dict, path: Path, name: str, versions: dict[str, str], plat
     if previous is not None and previous != entry:
         dropped = [c for c in data["cells"] if c.set_name == name]
         data["cells"] = [c for c in data["cells"] if c.set_name != name]
+        data["not_run"] = [c for c in data.get("not_run", []) if c.set_name != name]
         if dropped:
             print(f"stackcheck: set '{name}' now runs other versions or on another platform; its {len(dropped)} "
                   f"earlier cells are dropped from {path}", file=sys.stderr)
     data["sets"][name] = entry
 
 
+OLDER = "older"  # the stale file's name for results of a stackcheck from before fingerprints
+
+
 def _claim(path: Path, data: dict, current: str) -> dict:
-    """`data` of `path` for a run of the definitions `current`: results of other definitions are moved aside."""
-    if data.get("fingerprint", current) != current:
-        stale = stale_path(path, data["fingerprint"])
+    """`data` of `path` for a run of the definitions `current`: results of other definitions are moved aside, and so
+    are those of a stackcheck that wrote no fingerprint (an older one: its cells cannot be told current)."""
+    older = "fingerprint" not in data and bool(data["sets"] or data["cells"])
+    if older or data.get("fingerprint", current) != current:
+        stale = stale_path(path, OLDER if older else data["fingerprint"])
         os.replace(path, stale)
-        print(f"stackcheck: {path} held results of other family definitions; moved to {stale}", file=sys.stderr)
+        whose = "an older stackcheck (no fingerprint)" if older else "other family definitions"
+        print(f"stackcheck: {path} held results of {whose}; moved to {stale}", file=sys.stderr)
         data = empty()
     data["fingerprint"] = current
     return data
@@ -206,39 +230,23 @@ def record_set(path: Path, name: str, versions: dict[str, str], platform: dict[s
         save(path, data)
 
 
-def begin_run(path: Path, name: str, versions: dict[str, str], platform: dict[str, str] | None, placeholders: list[Cell],
-              run_fingerprint: str | None = None) -> dict[tuple[str, str, str], Cell]:
-    """A run of set `name` starts: in one step, record the set's versions and platform, and put a placeholder in
-    place of each cell the run collected (`Cell.lost`, replaced by its verdict as it comes). Nothing else of the
-    set is touched: cells of tests the run did not collect (another `-k`, architecture, lane or family) stay.
-    A family whose module imports again loses its module-level cells (`Cell.module_level`) in the run's lanes.
-    Returns the cells the placeholders replaced, for `end_run`."""
+def begin_run(path: Path, name: str, versions: dict[str, str], platform: dict[str, str] | None, collected: list[Cell],
+              run_fingerprint: str | None = None, verdicts: list[Cell] = ()) -> None:
+    """A run of set `name` starts: in one step, record the set's versions and platform, list each cell the run
+    collected that has no verdict on record as not run (`Cell.not_run`, until its verdict comes), and record
+    `verdicts` known already (family modules that did not import). A cell with a verdict on record keeps it until this
+    run's verdict replaces it: stopped or killed at any moment, the run loses no earlier verdict. Nothing else of the
+    set is touched: cells of tests the run did not collect (another `-k`, architecture, lane or family) stay. A family
+    whose module imports again loses its module-level cells (`Cell.module_level`) in the run's lanes."""
     run_fingerprint = run_fingerprint or fingerprint()
     with _locked(path):
         data = _claim(path, load(path), run_fingerprint)
         _set_entry(data, path, name, versions, platform)
-        runs = {(cell.family, cell.lane) for cell in placeholders}
+        runs = {(cell.family, cell.lane) for cell in [*collected, *verdicts]}
         data["cells"] = [c for c in data["cells"] if not (c.set_name == name and c.module_level and (c.family, c.lane) in runs)]
-        keys = {cell.key for cell in placeholders}
-        replaced = {c.key: c for c in data["cells"] if c.key in keys}
-        merge_into(data, {"sets": {}, "cells": placeholders})
+        waiting = [c.replace(verdict=NOT_RUN, signature=None, bug=None, note=NOT_RUN_NOTE, seconds=0.0) for c in collected]
+        merge_into(data, {"sets": {}, "cells": list(verdicts), "not_run": waiting})
         save(path, data)
-    return replaced
-
-
-def end_run(path: Path, replaced: list[Cell], run: str | None, run_fingerprint: str | None = None) -> None:
-    """The run `run` ended (Ctrl-C, `-x`, `--maxfail`) before some of its cells had a verdict: each of `replaced`
-    (what `begin_run` returned) whose key still holds the run's placeholder is put back. A cell with a verdict of
-    this run, or one a later run recorded, is never touched."""
-    run_fingerprint = run_fingerprint or fingerprint()
-    with _locked(path):
-        path, data = _taken_over(path, load(path), run_fingerprint)
-        current = {c.key: c for c in data["cells"]}
-        back = [cell for cell in replaced if cell.key in current and current[cell.key].signature == LOST
-                and current[cell.key].run == run]
-        if back:
-            merge_into(data, {"sets": {}, "cells": back})
-            save(path, data)
 
 
 def stale_path(path: Path, other_fingerprint: str) -> Path:
@@ -314,6 +322,11 @@ def _shape_problem(data) -> str | None:
             return f"set '{name}': `platform` is not an object"
     if not isinstance(data["cells"], list):
         return "`cells` is not a list"
+    if not isinstance(data.get("not_run", []), list):
+        return "`not_run` (the cells a run collected and has no verdict of) is not a list"
+    for index, cell in enumerate(data.get("not_run", [])):
+        if not isinstance(cell, dict) or cell.get("verdict") != NOT_RUN or not {"set", "family", "test", "lane"} <= cell.keys():
+            return f"not_run {index} is not a not-run cell (set, family, test, lane, verdict {NOT_RUN})"
     required = [key for key in CELL_KEYS if key not in ("arch", "signature", "bug", "note")]  # None where no bug matched (or no model), or absent in older files
     texts = [key for key in required if key != "seconds"]
     for index, cell in enumerate(data["cells"]):
@@ -349,8 +362,9 @@ def render_markdown(data: dict, ledger: Ledger | None = None) -> str:
     ledger = ledger or Ledger()
     declared = list(load_sets()[0])  # named sets in sets.toml order, ad-hoc sets after them
     sets = sorted(data["sets"], key=lambda name: (declared.index(name) if name in declared else len(declared), name))
-    families = [f for f in ledger.families if any(c.family == f for c in data["cells"])]
-    families += sorted({c.family for c in data["cells"]} - set(families))
+    every = [*data["cells"], *data.get("not_run", [])]  # a not-run cell is shown as such, beside the verdicts
+    families = [f for f in ledger.families if any(c.family == f for c in every)]
+    families += sorted({c.family for c in every} - set(families))
     lines = ["# stackcheck matrix", ""]
     lines += ["| set | " + " | ".join(VERSION_COLUMNS) + " |", "|---" * (len(VERSION_COLUMNS) + 1) + "|"]
     for name in sets:
@@ -362,33 +376,39 @@ def render_markdown(data: dict, ledger: Ledger | None = None) -> str:
         platform = data["sets"][name].get("platform")
         facts = [platform.get(k, "n/a") for k in PLATFORM_COLUMNS] if platform else ["not recorded"] * len(PLATFORM_COLUMNS)
         lines.append(f"| {name} | " + " | ".join(_escape(fact) for fact in facts) + " |")
-    columns = [(name, lane) for name in sets for lane in LANES if any(c.set_name == name and c.lane == lane for c in data["cells"])]
-    archs = list(dict.fromkeys(c.arch for c in data["cells"]))  # in the order the run listed them
+    columns = [(name, lane) for name in sets for lane in LANES if any(c.set_name == name and c.lane == lane for c in every)]
+    archs = list(dict.fromkeys(c.arch for c in every))  # in the order the run listed them
     lines += ["", "One row per family and architecture (`-`: the family's tests build no model).", ""]
     lines += ["| family | arch | " + " | ".join(f"{name} ({lane})" for name, lane in columns) + " |", "|---" * (len(columns) + 2) + "|"]
     for family in families:
-        for arch in [a for a in archs if any(c.family == family and c.arch == a for c in data["cells"])]:
+        for arch in [a for a in archs if any(c.family == family and c.arch == a for c in every)]:
             row = [family, arch or "-"]
             for name, lane in columns:
-                cells = [c for c in data["cells"] if c.set_name == name and c.lane == lane and c.family == family and c.arch == arch]
+                cells = [c for c in every if c.set_name == name and c.lane == lane and c.family == family and c.arch == arch]
                 row.append(_summary(cells, ledger) if cells else "**missing**")
             lines.append("| " + " | ".join(row) + " |")
     lines += ["", "## Cells", "", "| set | lane | arch | test | verdict | bug | signature | note | s |", "|---" * 9 + "|"]
-    for c in data["cells"]:
+    for c in sorted(every, key=lambda c: (c.set_name, c.family, c.lane, c.test)):
         lines.append(
-            f"| {c.set_name} | {c.lane} | {c.arch or '-'} | `{c.test}` | {c.verdict} | {c.bug or ''} | {_escape(c.signature)} "
+            f"| {c.set_name} | {c.lane} | {c.arch or '-'} | `{c.test}` | {_word(c.verdict)} | {c.bug or ''} | {_escape(c.signature)} "
             f"| {_escape(c.note)} | {c.seconds:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
 
+def _word(verdict: str) -> str:
+    return "not run" if verdict == NOT_RUN else verdict
+
+
 def summary_counts(cells: list[Cell]) -> str:
-    """Every verdict among the cells with its count, worst first: nothing (skipped included) is hidden."""
-    return ", ".join(f"{sum(c.verdict == v for c in cells)} {v}" for v in SEVERITY if any(c.verdict == v for c in cells))
+    """Every verdict among the cells with its count, worst first, then the cells not run: nothing (skipped included)
+    is hidden."""
+    return ", ".join(f"{sum(c.verdict == v for c in cells)} {_word(v)}" for v in [*SEVERITY, NOT_RUN] if any(c.verdict == v for c in cells))
 
 
 def _summary(cells: list[Cell], ledger: Ledger) -> str:
-    verdict = worst([c.verdict for c in cells])
+    judged = [c.verdict for c in cells if c.verdict != NOT_RUN]
+    verdict = worst(judged) if judged else NOT_RUN
     bugs = sorted({c.bug for c in cells if c.verdict == verdict and c.bug})
     links = [f"[{b}]({ledger.bugs[b].links[0]})" if b in ledger.bugs else b for b in bugs]
-    return f"**{verdict}** " + (" ".join(links) + " " if links else "") + f"({summary_counts(cells)})"
+    return f"**{_word(verdict)}** " + (" ".join(links) + " " if links else "") + f"({summary_counts(cells)})"

@@ -131,6 +131,16 @@ def parse_pin(token: str) -> Pin:
     return Pin(package, url=location.as_uri())
 
 
+def canonical_pin(token: str) -> str:
+    """A pin as one spelling (`peft==0.20.0`, whatever spaces or capitals it was given with), so that one pin names one
+    set and one environment: `--with 'peft==0.20.0 '` is `--with peft==0.20.0`. A wrong pin is a UsageError."""
+    pin = parse_pin(token)
+    if pin.version:
+        return f"{pin.package}=={pin.version}"
+    match = PIN.fullmatch(token)
+    return f"{pin.package}{match['operator']}{match['rest']}"
+
+
 def _is_version(text: str) -> bool:
     try:
         Version(text)
@@ -195,7 +205,7 @@ def resolve(names: list[str] | None = None, overrides: list[str] | None = None) 
             raise UsageError(f"unknown set '{name}' (valid sets: {', '.join([*known, CURRENT_SET])})")
         else:
             chosen.append(known[name])
-    tokens = overrides or []
+    tokens = [canonical_pin(token) for token in overrides or []]
     pins = [parse_pin(token) for token in tokens]
     for package in {pin.package for pin in pins}:
         given = [token for token, pin in zip(tokens, pins) if pin.package == package]

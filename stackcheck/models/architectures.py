@@ -197,6 +197,11 @@ def _refuse_missing_sizes(config: dict, required: tuple[str, ...], where: str) -
     if missing:
         raise ArchitectureError(f"{where}: cannot be shrunk: it does not state {', '.join(missing)} (as integers), so "
                                 "transformers' full-size default would be built; write the sizes of the model into it")
+    # The rule replaces the sizes, so a wrong one would be built as a sound tiny model and hide the config's mistake.
+    wrong = [f"{key} {value}" for key, value in config.items() if isinstance(value, int) and not isinstance(value, bool)
+             and (value <= 0 if key in required or key == "num_hidden_layers" else value < 0 and bool(SIZE_KEY.fullmatch(key)))]
+    if wrong:
+        raise ArchitectureError(f"{where}: cannot be shrunk: {', '.join(wrong)}: a size or count is a positive integer")
 
 
 def _refuse_unknown_sizes(config: dict, known: dict, where: str) -> None:
@@ -281,6 +286,13 @@ def _seed_architecture() -> Architecture:
     return Architecture(SEED_ARCHITECTURE, str(SEED_TINY_CONFIG.relative_to(FIXTURES_DIR.parent)), config, _declared(written))
 
 
+def comment(arch: Architecture) -> str:
+    """What a built-in architecture's fixture says of itself (its `_comment`: the full-size model and where its
+    config was read)."""
+    path = SEED_TINY_CONFIG if arch.name == SEED_ARCHITECTURE else ARCHITECTURES_DIR / f"{arch.name}.json"
+    return str(_read_config(path).get("_comment", ""))
+
+
 @cache
 def builtin() -> dict[str, Architecture]:
     """The built-in architectures by name, the seed's first."""
@@ -310,13 +322,17 @@ def resolve(spec: str | None) -> list[Architecture]:
     if spec is None:
         return list(builtin().values())
     chosen = []
+    fixtures = {ARCHITECTURES_DIR / f"{name}.json": arch for name, arch in builtin().items()} | {SEED_TINY_CONFIG: builtin()[SEED_ARCHITECTURE]}
     for item in (part.strip() for part in spec.split(",")):
         if not item:
             raise ArchitectureError(f"--arch {spec!r} has an empty item: separate names with single commas")
+        path = Path(item).expanduser().resolve()
         if item in builtin():
             chosen.append(builtin()[item])
+        elif path in fixtures:  # a built-in fixture named by its path is that architecture
+            chosen.append(fixtures[path])
         elif item.endswith(".json") or "/" in item or Path(item).expanduser().is_dir():
-            chosen.append(user_architecture(Path(item).expanduser().resolve()))
+            chosen.append(user_architecture(path))
         else:
             raise ArchitectureError(f"--arch: unknown architecture '{item}' (built in: {', '.join(builtin())}; or a path to a "
                                     "config.json or to a folder with one)")
@@ -324,4 +340,9 @@ def resolve(spec: str | None) -> list[Architecture]:
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise ArchitectureError(f"--arch {spec}: names the architecture {', '.join(repeated)} more than once")
+    seen: dict[str, Architecture] = {}
+    for arch in chosen:  # two configs that shrink to one tiny model would run the same cells twice
+        same = seen.setdefault(arch.digest_text(), arch)
+        if same is not arch:
+            raise ArchitectureError(f"--arch {spec}: {same.source} and {arch.source} are the same model; name it once")
     return chosen

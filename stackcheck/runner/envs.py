@@ -136,13 +136,33 @@ def failure_reason(output: str) -> str:
     return reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 3] + "..."
 
 
+# The lines of pip's output that say what it is doing, shown as they come: pip resolves and downloads for a minute or
+# more where uv takes seconds, and its --quiet said nothing all that time.
+PIP_PROGRESS = re.compile(r"^\s*(Collecting|Downloading|Building wheel|Installing collected packages|Successfully installed)")
+
+
+def _pip_progress(command: list[str]) -> subprocess.CompletedProcess:
+    """pip's step with its progress lines (PIP_PROGRESS) printed as they come, each cut to one screen line."""
+    with tempfile.TemporaryFile("w+", errors="replace") as errors:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True, errors="replace")
+        for line in process.stdout:
+            if PIP_PROGRESS.match(line):
+                print("  pip:", line.strip()[:110], flush=True)
+        process.wait()
+        errors.seek(0)
+        return subprocess.CompletedProcess(command, process.returncode, None, errors.read())
+
+
 def _run(command: list[str], log: Path | None = None, quiet: bool = False) -> None:
     """Run an installer step; its error output is kept (in `log`) and, when it fails, its reason is the error's.
-    `quiet`: a check, whose command and output say nothing unless it fails."""
+    `quiet`: a check, whose command and output say nothing unless it fails. A `pip install` step shows its progress."""
     if not quiet:
         print("+", " ".join(command), flush=True)
-    completed = subprocess.run(command, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE, text=True,
-                               errors="replace")
+    if not quiet and command[1:4] == ["-m", "pip", "install"]:
+        completed = _pip_progress([arg for arg in command if arg != "--quiet"] + ["--progress-bar", "off"])
+    else:
+        completed = subprocess.run(command, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE, text=True,
+                                   errors="replace")
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(completed.stderr)

@@ -7,6 +7,7 @@ and a path that names what it must be (`existing_file`, `existing_folder`). The 
 from __future__ import annotations
 
 import argparse
+import difflib
 import tempfile
 from pathlib import Path
 
@@ -131,7 +132,13 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         hint = ""
-        if message.startswith("unrecognized arguments") and any(a.dest == "pytest_args" for a in self._actions):
+        unknown = message.removeprefix("unrecognized arguments: ").split() if message.startswith("unrecognized arguments") else []
+        mine = [name for action in self._actions for name in action.option_strings if action.help != argparse.SUPPRESS]
+        close = [match[0] for given in unknown if given.startswith("--")
+                 for match in [difflib.get_close_matches(given.split("=", 1)[0], mine, n=1, cutoff=0.75)] if match]
+        if close:  # a misspelt option of the command's own (`--famlies`), not one of pytest's
+            hint = f"; did you mean {', '.join(close)}?"
+        elif unknown and any(a.dest == "pytest_args" for a in self._actions):
             hint = f" (pytest's own options go after `--`: {self.prog} ... -- -k NAME)"
         command = self.prog.split(" ", 1)[1] + ": " if " " in self.prog else ""
         raise UsageError(f"{command}{message}{hint}")

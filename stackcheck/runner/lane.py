@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stackcheck import REPO_ROOT
-from stackcheck.runner import envs
+from stackcheck.runner import envs, signals
 from stackcheck.core import results
 from stackcheck.process import warmer
 from stackcheck.core.cell import Cell
 from stackcheck.models import architectures
 from stackcheck.core.ledger import ERROR, Ledger, family_modules, family_path
-from stackcheck.core.protocol import ARCH_OPTION, BASELINE_OPTION, BENCH_REPEAT_OPTION, BENCH_SIZE_OPTION, BENCH_SMOKE_OPTION, LANES_OPTION, LAUNCHED_AT_ENV, RESULTS_OPTION, RUN_ENV, SET_OPTION, SET_RECORD_ENV, TIMING_OPTION, option
+from stackcheck.core.protocol import ARCH_OPTION, BASELINE_OPTION, BENCH_REPEAT_OPTION, BENCH_SIZE_OPTION, BENCH_SMOKE_OPTION, LANES_OPTION, LAUNCHED_AT_ENV, RESULTS_OPTION, RUN_ENV, SET_OPTION, SET_RECORD_ENV, COMMAND_PID_ENV, TIMING_OPTION, option
 from stackcheck.core.versions import UsageError, VersionSet
 
 
@@ -178,10 +178,11 @@ def run_pytest(python: Path, vset: VersionSet, targets: list[str], extra: list[s
     print("+", " ".join(command), flush=True)
     variables = envs.bytecode_cache(dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}),
                                          **{LAUNCHED_AT_ENV: repr(time.time()), RUN_ENV: run or new_run_id(),
-                                            SET_RECORD_ENV: json.dumps(vset.to_dict())}))
+                                            SET_RECORD_ENV: json.dumps(vset.to_dict()),
+                                            COMMAND_PID_ENV: str(os.getpid())}))
     warming = warmer.start(python, xdist_workers(extra), variables)
     try:
-        return subprocess.call(command, cwd=REPO_ROOT, env=variables)
+        return signals.call(command, cwd=REPO_ROOT, env=variables)  # its own process group, stopped with the command
     finally:
         warmer.stop(warming, variables)
 

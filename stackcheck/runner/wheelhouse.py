@@ -116,6 +116,7 @@ class Downloader:
 
     def __call__(self, name: str, specifier: SpecifierSet) -> Path:
         with tempfile.TemporaryDirectory() as scratch:
+            print(f"  downloading {name}{specifier}", flush=True)  # pip says nothing while it downloads
             command = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
                        "--only-binary=:all:", *self.tag_args, "-d", scratch, f"{name}{specifier}"]
             completed = subprocess.run(command, capture_output=True, text=True)
@@ -168,6 +169,7 @@ def wheels_for_set(vset: VersionSet, download, python_version: str, host: dict[s
     and the bench's (BENCH_GROUPS), in the versions uv resolves for it."""
     if any(pin.url for pin in vset.pins.values()):
         raise UsageError(f"set '{vset.name}': the wheelhouse takes released versions only; pin a built wheel with NAME=PATH and copy it in")
+    print(f"== wheelhouse: set {vset.name}: resolving its requirements for Python {python_version} (uv)", flush=True)
     pins = compile_pins(vset.requirements() + test_requirements(vset, BENCH_GROUPS), python_version, host, index_args)
     wheels = [download(name, SpecifierSet(f"=={version}")) for name, version in pins.items()
               if name not in PROVIDED_BY_TARGET and host.get(name) != version]

@@ -218,7 +218,8 @@ def test_the_installers_reason(output, reason):
 def test_versions_prints_a_pin_it_cannot_vouch_for_and_checks_it_on_request(tmp_path, capsys):
     assert cli.main(["versions", "--sets", "seed", "--with", "peft==9.9.9"]) == 0
     out, err = capsys.readouterr()
-    assert out.strip() == "seed+peft==9.9.9: transformers 5.6.2, peft 9.9.9, accelerate 1.13.0, bitsandbytes 0.49.2"
+    assert out.strip() == ("seed+peft==9.9.9: transformers 5.6.2, peft 9.9.9, accelerate 1.13.0, bitsandbytes 0.49.2; "
+                           "deepspeed 0.19.8, trl 1.16.0 (pyproject's extras)")
     assert "not checked against the package index: --check asks it" in err
     wheels = tmp_path / "wheels"
     wheels.mkdir()  # an offline index with nothing in it: the installer's own answer, no network

@@ -70,3 +70,19 @@ def test_a_candidate_equal_to_the_baseline_is_a_usage_error(capsys):
     assert capsys.readouterr().err.strip() == (
         "stackcheck: the candidate is the baseline: bump a library with --with PIN or name --candidate SET"
     )
+
+
+def test_cells_not_run_are_no_error_for_the_gate(tmp_path):
+    """A candidate run stopped before some cells: the gate reads its verdicts; the cells it did not reach count as
+    nothing (a family none of whose cells ran is "not run", as before), never as `error` (issue 47)."""
+    from stackcheck.core import results
+
+    path = tmp_path / "matrix.json"
+    results.record_set(path, "c", SEED)
+    results.record_cells(path, [Cell("c", "merge_parity", "tests/families/test_merge_parity.py::t0", "cpu", "pass")])
+    results.begin_run(path, "c", SEED, None, [Cell.not_run("c", family, f"tests/families/test_{family}.py::t1[cpu]", [])
+                                              for family in ("merge_parity", "qlora_step")])
+    candidate = gate.one_set(results.load(path), "c")
+    findings = gate.compare(run("b", SEED, ("merge_parity", "pass", None), ("qlora_step", "pass", None)), candidate)
+    assert [(f.subject, f.candidate, f.status) for f in findings] == [
+        ("merge_parity", "pass", gate.SAME), ("qlora_step", "not run", gate.REGRESSION)]

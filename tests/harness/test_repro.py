@@ -46,6 +46,16 @@ def test_the_export_fails_with_the_cells_signature_only_where_the_bug_is(tmp_pat
     assert "https://github.com/huggingface/accelerate/pull/3976" in issue and "```python" in issue
     if affected:
         assert "raised in accelerate/utils/modeling.py:set_module_tensor_to_device" in issue
+    # Nothing of this machine's paths: the export folder, the environment, the clone, the home (issue 47).
+    assert not [path for path in (str(tmp_path), sys.prefix, str(repro.REPO_ROOT), str(Path.home())) if path in issue], issue
+
+
+def test_an_issue_carries_no_path_of_the_machine(tmp_path):
+    trace = (f'  File "{tmp_path}/latest/t/repro.py", line 3, in main\n'
+             '  File "/work/x/.stackcheck/envs/latest/lib/python3.11/site-packages/torch/_tensor.py", line 623\n'
+             f'  File "{repro.REPO_ROOT}/fixtures/a.json"')
+    assert repro.portable(trace, tmp_path / "latest" / "t").splitlines() == [
+        '  File "repro.py", line 3, in main', '  File "site-packages/torch/_tensor.py", line 623', '  File "stackcheck/fixtures/a.json"']
 
 
 @pytest.mark.parametrize("argv, message", [

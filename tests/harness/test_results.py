@@ -188,7 +188,7 @@ def test_concurrent_writers_lose_nothing_and_leave_no_lock_file(tmp_path):
 
 
 def placeholder(test, **fields):
-    return Cell.lost("seed", fields.pop("family", "shared_kv_redispatch"), test, [], run=fields.pop("run", "r2"), **fields)
+    return Cell.not_run("seed", fields.pop("family", "shared_kv_redispatch"), test, [], run=fields.pop("run", "r2"))
 
 
 def test_a_run_replaces_only_the_cells_it_collected(tmp_path):
@@ -197,8 +197,7 @@ def test_a_run_replaces_only_the_cells_it_collected(tmp_path):
     results.record_set(path, "seed", VERSIONS)
     kept = [cell("t[gpu]", "pass", lane="gpu"), cell("u[cpu-phi4]", "pass"), cell("v[cpu]", "pass", family="merge_parity")]
     results.record_cells(path, [cell("t[cpu-llama3]", "known_bug", bug="shared_kv_redispatch"), *kept])
-    replaced = results.begin_run(path, "seed", VERSIONS, None, [placeholder("t[cpu-llama3]")])
-    assert [c.verdict for c in replaced.values()] == ["known_bug"]
+    results.begin_run(path, "seed", VERSIONS, None, [placeholder("t[cpu-llama3]")])
     results.record_cells(path, [cell("t[cpu-llama3]", "pass", run="r2")])
     cells = {c.test: c for c in results.load(path)["cells"]}
     assert cells["t[cpu-llama3]"].verdict == "pass" and all(cells[c.test] == c for c in kept)
@@ -211,21 +210,52 @@ def test_a_family_that_imports_again_loses_its_module_cells(tmp_path):
     other = Cell.lost("seed", "merge_parity", "tests/families/test_merge_parity.py[cpu]", [], "family module does not import: y")
     results.record_cells(path, [broken, other])
     results.begin_run(path, "seed", VERSIONS, None, [placeholder("t[cpu]")])
-    assert {c.test for c in results.load(path)["cells"]} == {"t[cpu]", other.test}
+    data = results.load(path)
+    assert {c.test for c in data["cells"]} == {other.test} and [c.test for c in data["not_run"]] == ["t[cpu]"]
 
 
-def test_a_run_that_stops_early_puts_back_what_its_placeholders_replaced(tmp_path):
-    """Ctrl-C, -x or --maxfail: cells without a verdict of this run get their earlier cell back; a cell it judged,
-    or one a later run recorded meanwhile, stays."""
+def test_a_collected_cell_never_takes_the_place_of_a_recorded_verdict(tmp_path):
+    """What is on disk after each step of a run is what a SIGKILL at that moment leaves: the earlier verdicts stay
+    until this run's replace them, this run's stay, and a cell without any reads not run, apart from the verdicts."""
     path = tmp_path / "matrix.json"
     results.record_set(path, "seed", VERSIONS)
-    before = [cell(test, "known_bug", bug="shared_kv_redispatch", run="r1") for test in ("a[cpu]", "b[cpu]", "c[cpu]")]
+    before = [cell(test, "known_bug", bug="shared_kv_redispatch", run="r1") for test in ("a[cpu]", "b[cpu]")]
     results.record_cells(path, before)
-    replaced = results.begin_run(path, "seed", VERSIONS, None, [placeholder(c.test) for c in before])
-    results.record_cells(path, [cell("a[cpu]", "pass", run="r2"), cell("c[cpu]", "pass", run="r3")])
-    results.end_run(path, list(replaced.values()), "r2")
-    assert {c.test: (c.verdict, c.run) for c in results.load(path)["cells"]} == {
-        "a[cpu]": ("pass", "r2"), "b[cpu]": ("known_bug", "r1"), "c[cpu]": ("pass", "r3")}
+    results.begin_run(path, "seed", VERSIONS, None, [placeholder(test) for test in ("a[cpu]", "b[cpu]", "c[cpu]")])
+    on_disk = results.load(path)
+    assert on_disk["cells"] == before and [(c.test, c.verdict, c.run) for c in on_disk["not_run"]] == [("c[cpu]", "not_run", "r2")]
+    results.record_cells(path, [cell("a[cpu]", "pass", run="r2"), cell("c[cpu]", "pass", run="r2")])
+    on_disk = results.load(path)
+    assert {c.test: (c.verdict, c.run) for c in on_disk["cells"]} == {
+        "a[cpu]": ("pass", "r2"), "b[cpu]": ("known_bug", "r1"), "c[cpu]": ("pass", "r2")}
+    assert on_disk["not_run"] == []
+    assert "not_run" not in json.loads(path.read_text())  # a file without cells not run looks as before
+
+
+def test_not_run_cells_are_shown_and_merged_apart_from_the_verdicts(tmp_path):
+    path = tmp_path / "matrix.json"
+    results.record_set(path, "seed", VERSIONS)
+    results.record_cells(path, [cell("a[cpu]", "pass", run="r1")])
+    results.begin_run(path, "seed", VERSIONS, None, [placeholder("a[cpu]"), placeholder("b[cpu]")])
+    markdown = path.with_suffix(".md").read_text()
+    assert "**pass** (1 pass, 1 not run)" in markdown and "| `b[cpu]` | not run |" in markdown, markdown
+    merged = results.merge_files([path, path], tmp_path / "merged.json")  # the merge command keeps them apart too
+    assert [c.test for c in merged["cells"]] == ["a[cpu]"] and [c.test for c in merged["not_run"]] == ["b[cpu]"]
+    broken = json.loads(path.read_text()) | {"not_run": [{"set": "seed", "test": "b[cpu]"}]}
+    path.write_text(json.dumps(broken))
+    with pytest.raises(UsageError, match="not_run 0 is not a not-run cell"):
+        results.load_checked(path)
+
+
+def test_a_file_of_an_older_stackcheck_is_moved_aside(tmp_path, capsys):
+    """A matrix.json from before fingerprints: its cells cannot be told current, so they are not kept under today's."""
+    path = tmp_path / "matrix.json"
+    path.write_text(json.dumps({"sets": {"seed": VERSIONS}, "cells": [cell("a[cpu]", "pass").to_dict()]}))
+    results.begin_run(path, "seed", VERSIONS, None, [placeholder("b[cpu]")])
+    stale = tmp_path / "matrix.stale-older.json"
+    assert capsys.readouterr().err == f"stackcheck: {path} held results of an older stackcheck (no fingerprint); moved to {stale}\n"
+    assert [c["test"] for c in json.loads(stale.read_text())["cells"]] == ["a[cpu]"]
+    assert results.load(path)["cells"] == [] and results.load(path)["fingerprint"] == results.fingerprint()
 
 
 def test_a_cell_survives_the_file_as_it_is_and_keeps_keys_it_does_not_know():

@@ -224,3 +224,47 @@ def test_nox_lists_its_sessions_over_a_broken_sets_toml(broken_sets_toml):
 def test_scan_of_a_file_says_it_is_a_file():
     readme = REPO_ROOT / "README.md"
     assert refused("scan", str(readme)) == f"stackcheck: MODEL {readme} is a file; name a folder"
+
+
+# Issue 47: the last silent inputs, and the rough edges.
+
+def test_one_model_named_twice_in_arch():
+    assert refused("matrix", "--sets", "seed", "--arch", "llama3,fixtures/architectures/llama3.json") == \
+        "stackcheck: --arch llama3,fixtures/architectures/llama3.json: names the architecture llama3 more than once"
+
+
+def test_a_copy_of_a_built_in_config_is_the_same_model(tmp_path):
+    copy = tmp_path / "mine" / "config.json"
+    copy.parent.mkdir()
+    shutil.copy(REPO_ROOT / "fixtures" / "architectures" / "llama3.json", copy)
+    assert refused("matrix", "--sets", "seed", "--arch", f"llama3,{copy}") == \
+        f"stackcheck: --arch llama3,{copy}: fixtures/architectures/llama3.json and {copy} are the same model; name it once"
+
+
+@pytest.mark.parametrize("key, value", [("hidden_size", -64), ("num_attention_heads", 0), ("num_hidden_layers", 0)])
+def test_a_config_with_a_size_that_is_not_positive(tmp_path, key, value):
+    config = json.loads((REPO_ROOT / "fixtures" / "architectures" / "llama3.json").read_text()) | {key: value}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert refused("matrix", "--sets", "seed", "--arch", str(path)) == \
+        f"stackcheck: {path}: cannot be shrunk: {key} {value}: a size or count is a positive integer"
+
+
+def test_a_pin_with_spaces_is_the_same_set():
+    run = stackcheck("versions", "--sets", "seed", "--with", "peft==0.20.0 ", "--with", " Accelerate == 1.14.0")
+    assert run.returncode == 0 and run.stdout.startswith("seed+peft==0.20.0+accelerate==1.14.0: "), run
+
+
+def test_a_misspelt_option_is_named():
+    assert refused("matrix", "--famlies", "merge_parity") == \
+        "stackcheck: matrix: unrecognized arguments: --famlies; did you mean --families?"
+
+
+def test_scan_takes_accelerates_device_map_strings(tmp_path):
+    """`--device-map auto` as from_pretrained takes it: accelerate's map of this host, made on meta."""
+    model = tmp_path / "llama"
+    model.mkdir()
+    shutil.copy(REPO_ROOT / "fixtures" / "architectures" / "llama3.json", model / "config.json")
+    for device_map in ("auto", "cpu"):
+        run = stackcheck("scan", str(model), "--device-map", device_map, timeout=600)
+        assert run.returncode == 0 and "no problems found in the model and options" in run.stdout, run

@@ -119,8 +119,22 @@ def model_built(script: str, arch: dict | None) -> str:
     """What the script builds, in the words of issue.md: the architecture under test, or the seed's tiny Gemma 4."""
     if arch:
         model_class = (arch["config"].get("architectures") or ["AutoModelForCausalLM"])[0]
-        return f": it builds a tiny random {model_class} (`{arch['name']}`, shrunk from {arch['source']}) from its config, no network"
+        source = Path(arch["source"])
+        source = f"{source.parent.name}/{source.name}" if source.is_absolute() else source  # no path of this machine
+        return f": it builds a tiny random {model_class} (`{arch['name']}`, shrunk from {source}) from its config, no network"
     return ": it builds a tiny random Gemma 4 from its config, no network" if "FIXTURES = " in script else ""
+
+
+SITE_PACKAGES = re.compile(r"/[^\s\"']*/(site-packages|dist-packages)/")
+
+
+def portable(text: str, folder: Path) -> str:
+    """`text` without the paths of this machine, for an issue others read: the export folder is the script's own
+    (`repro.py`), an environment's libraries are `site-packages/...`, the clone is `stackcheck/`, the home `~`."""
+    text = SITE_PACKAGES.sub(r"\1/", text.replace(f"{folder}/", "").replace(str(folder), "."))
+    for path, shown in ((REPO_ROOT, "stackcheck"), (Path.home(), "~")):
+        text = text.replace(f"{path}/", f"{shown}/") if str(path) != "/" else text
+    return text
 
 
 def write_issue(folder: Path, cell: Cell, versions: dict, platform: dict, ledger: Ledger, trace: str, reproduced: bool,
@@ -144,7 +158,7 @@ def write_issue(folder: Path, cell: Cell, versions: dict, platform: dict, ledger
         lines += ["## Upstream references", "", *[f"- {link}" for link in bug.links], "", bug.upstream_status, ""]
     lines += ["## Script", "", "<details><summary>repro.py</summary>", "", "```python",
               script.rstrip(), "```", "", "</details>", ""]
-    (folder / "issue.md").write_text("\n".join(lines))
+    (folder / "issue.md").write_text(portable("\n".join(lines), folder))
     facts = "\n".join(f"| {k} | {v} |" for k, v in {**versions, **platform}.items())
     (folder / "environment.md").write_text(f"# Environment of `{cell.test}` on `{cell.set_name}`\n\n| fact | value |\n|---|---|\n{facts}\n")
 

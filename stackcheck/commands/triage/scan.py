@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -60,6 +61,37 @@ def read_json_option(option: str, text: str | None):
         return json.loads(source.read_text() if source.suffix == ".json" else text)
     except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
         raise UsageError(f"{option}: not JSON ({exc})") from None
+
+
+# The device_map strings from_pretrained takes besides a map: accelerate's strategies, and one device for the whole model.
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+ONE_DEVICE = re.compile(r"cpu|disk|meta|mps|(cuda|xpu|npu)(:\d+)?|\d+")
+
+
+def read_device_map(text: str | None) -> dict | str | None:
+    """`--device-map` as from_pretrained takes it: a strategy (`auto`: accelerate's map, made on meta once the model is
+    built: `auto_device_map`), one device (`cpu`, `cuda:0`, `0`: the whole model there), or a map as JSON."""
+    given = (text or "").strip()
+    if given in DEVICE_MAP_STRATEGIES:
+        return given
+    if ONE_DEVICE.fullmatch(given):
+        return {"": int(given) if given.isdigit() else given}
+    return read_json_option("--device-map", text)
+
+
+def auto_device_map(model, strategy: str, max_memory: dict | None) -> dict:
+    """The map accelerate makes for `strategy` (as from_pretrained does), on the devices of this host or `max_memory`."""
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    no_split = model._no_split_modules
+    if strategy in ("auto", "balanced", "balanced_low_0"):
+        max_memory = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split,
+                                         low_zero=strategy == "balanced_low_0")
+    try:
+        return infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split)
+    except ValueError as exc:  # accelerate's own check of the devices and sizes
+        raise UsageError(f"--max-memory: accelerate refuses it ({' '.join(str(exc).split())})") from None
 
 
 def read_folder(option: str, folder: Path, file_name: str) -> dict:
@@ -299,11 +331,11 @@ def run(args, argv: list[str]) -> int:
     config_data = read_folder("MODEL", args.model, "config.json")  # checked here, before another interpreter starts
     fail_on = doctor.fail_on(args, exitcodes.SCAN_FAIL_ON)
     adapter_config = read_folder("ADAPTER", args.adapter, "adapter_config.json") if args.adapter else None
-    device_map = read_json_option("--device-map", args.device_map)
+    device_map = read_device_map(args.device_map)
     max_memory = read_json_option("--max-memory", args.max_memory)
     quantization = read_json_option("--quantization", args.quantization)
     for option, value in (("--device-map", device_map), ("--max-memory", max_memory), ("--quantization", quantization)):
-        if value is not None and not isinstance(value, dict):
+        if value is not None and not isinstance(value, dict) and not (option == "--device-map" and isinstance(value, str)):
             raise UsageError(f"{option}: expected a JSON object, got {type(value).__name__}")
     PROGRESS["stream"] = (sys.stderr if sys.stderr.isatty() else None) if args.json else sys.stdout
     if args.python and os.environ.get(IN_PYTHON_ENV) != args.python:
@@ -317,13 +349,8 @@ def run(args, argv: list[str]) -> int:
     arch = (model.config.model_type, architectures.structures(model.config))
     diagnoses = doctor.diagnose(Ledger(), versions, cpu_flags, arch)
     scan = Scan(str(args.model), architecture, known_bugs=[d.bug for d in diagnoses])
-    if device_map is None and max_memory is not None:
-        from accelerate import infer_auto_device_map
-
-        try:
-            device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=model._no_split_modules)
-        except ValueError as exc:  # accelerate's own check of the devices and sizes
-            raise UsageError(f"--max-memory: accelerate refuses it ({' '.join(str(exc).split())})") from None
+    if isinstance(device_map, str) or (device_map is None and max_memory is not None):
+        device_map = auto_device_map(model, device_map or "sequential", max_memory)
     if device_map:
         check_device_map(scan, model, device_map)
     if quantization is not None:
