@@ -8,6 +8,7 @@ beside them, and the rest listed as not run. Every write is atomic (a temporary 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 import hashlib
 import json
 import os
@@ -231,7 +232,7 @@ def record_set(path: Path, name: str, versions: dict[str, str], platform: dict[s
 
 
 def begin_run(path: Path, name: str, versions: dict[str, str], platform: dict[str, str] | None, collected: list[Cell],
-              run_fingerprint: str | None = None, verdicts: list[Cell] = ()) -> None:
+              run_fingerprint: str | None = None, verdicts: Sequence[Cell] = ()) -> None:
     """A run of set `name` starts: in one step, record the set's versions and platform, list each cell the run
     collected that has no verdict on record as not run (`Cell.not_run`, until its verdict comes), and record
     `verdicts` known already (family modules that did not import). A cell with a verdict on record keeps it until this

@@ -138,6 +138,7 @@ def canonical_pin(token: str) -> str:
     if pin.version:
         return f"{pin.package}=={pin.version}"
     match = PIN.fullmatch(token)
+    assert match is not None, "parse_pin accepted the token, so PIN matches it"
     return f"{pin.package}{match['operator']}{match['rest']}"
 
 

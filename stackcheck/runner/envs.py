@@ -145,6 +145,7 @@ def _pip_progress(command: list[str]) -> subprocess.CompletedProcess:
     """pip's step with its progress lines (PIP_PROGRESS) printed as they come, each cut to one screen line."""
     with tempfile.TemporaryFile("w+", errors="replace") as errors:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True, errors="replace")
+        assert process.stdout is not None, "stdout is a pipe"
         for line in process.stdout:
             if PIP_PROGRESS.match(line):
                 print("  pip:", line.strip()[:110], flush=True)

@@ -18,6 +18,8 @@ STOPPING = (signal.SIGTERM, signal.SIGHUP)
 # How long a stopped child may take to end: the recorder's last write and xdist's teardown take a second or two.
 STOP_SECONDS = 30.0
 LIVE: set[subprocess.Popen] = set()  # the children started by `call` and not ended yet (a thread's too: history's probes)
+OWN_GROUP: set[subprocess.Popen] = set()  # those in a process group of their own (no debugger reads the terminal)
+INTERRUPTED: set[subprocess.Popen] = set()  # those already sent SIGINT
 DEBUGGERS = ("--pdb", "--trace")  # a debugger reads the terminal: its child stays in the terminal's process group
 
 
@@ -40,8 +42,8 @@ def _raise(signum, frame):
 def _interrupt(child: subprocess.Popen) -> None:
     """SIGINT, once, to a child's process group, as a terminal's Ctrl-C reaches it (a second one could cut short the
     recorder's last write)."""
-    if getattr(child, "own_group", False) and not getattr(child, "interrupted", False):
-        child.interrupted = True
+    if child in OWN_GROUP and child not in INTERRUPTED:
+        INTERRUPTED.add(child)
         try:
             os.killpg(child.pid, signal.SIGINT)
         except ProcessLookupError:
@@ -82,8 +84,9 @@ def call(command: list[str], **popen) -> int:
     """`subprocess.call` of a pytest child in a process group of its own; stopped (`stop`) when the command is
     interrupted, and the interruption raised again."""
     own_group = not any(arg in DEBUGGERS for arg in command)
-    child = subprocess.Popen(command, **popen, **({"process_group": 0} if own_group else {}))
-    child.own_group = own_group
+    child = subprocess.Popen(command, **popen, process_group=0 if own_group else None)
+    if own_group:
+        OWN_GROUP.add(child)
     LIVE.add(child)
     try:
         return child.wait()
@@ -92,6 +95,8 @@ def call(command: list[str], **popen) -> int:
         raise
     finally:
         LIVE.discard(child)
+        OWN_GROUP.discard(child)
+        INTERRUPTED.discard(child)
 
 
 def _ended(pid: int, seconds: float) -> bool:
@@ -112,7 +117,7 @@ def stop(child: subprocess.Popen) -> None:
     """SIGINT to the child's process group, as a terminal's Ctrl-C reaches it; SIGKILL to what is left of the group
     once the child ended, after STOP_SECONDS, or on a second signal. A debugger's child, in the terminal's group,
     had the terminal's Ctrl-C already."""
-    if not getattr(child, "own_group", False):
+    if child not in OWN_GROUP:
         child.wait()
         return
     try:

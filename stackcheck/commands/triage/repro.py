@@ -119,8 +119,8 @@ def model_built(script: str, arch: dict | None) -> str:
     """What the script builds, in the words of issue.md: the architecture under test, or the seed's tiny Gemma 4."""
     if arch:
         model_class = (arch["config"].get("architectures") or ["AutoModelForCausalLM"])[0]
-        source = Path(arch["source"])
-        source = f"{source.parent.name}/{source.name}" if source.is_absolute() else source  # no path of this machine
+        path = Path(arch["source"])
+        source = f"{path.parent.name}/{path.name}" if path.is_absolute() else str(path)  # no path of this machine
         return f": it builds a tiny random {model_class} (`{arch['name']}`, shrunk from {source}) from its config, no network"
     return ": it builds a tiny random Gemma 4 from its config, no network" if "FIXTURES = " in script else ""
 
