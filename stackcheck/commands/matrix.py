@@ -46,7 +46,9 @@ def run(args) -> int:
     targets = family_targets(families)
     lanes = ["gpu", "cpu"] if gpu else ["cpu"]
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    pythons = build_all(sets, args.find_links, args.no_index)
+    unusable: dict[str, str] = {}
+    pythons = build_all(sets, args.find_links, args.no_index, unusable=unusable)
+    sets = [vset for vset in sets if vset.name not in unusable]
     incomplete, cells = [], []
     tracker = Progress(args.command, len(sets), "set")
     ledger = Ledger()
@@ -71,10 +73,15 @@ def run(args) -> int:
         elif gpu and not results.ran_in_lane(args.results, vset.name, "gpu", run):
             print(f"stackcheck: set {vset.name}: every GPU cell was skipped or missing", file=sys.stderr)
             incomplete.append(vset.name)
-    print(f"wrote {args.results} and {args.results.with_suffix('.md')}")
+    if sets:
+        print(f"wrote {args.results} and {args.results.with_suffix('.md')}")
     if incomplete:
         print(f"stackcheck: sets without a complete run: {', '.join(incomplete)}", file=sys.stderr)
-    return failing_cells(cells, ledger, fail_on, incomplete)
+    code = failing_cells(cells, ledger, fail_on, incomplete)
+    if unusable and code == exitcodes.OK:
+        print(f"stackcheck: exit {exitcodes.UNUSABLE}: unusable sets: {', '.join(unusable)} (docs/exit-codes.md)", file=sys.stderr)
+        return exitcodes.UNUSABLE
+    return code
 
 
 def failing_cells(cells: list[Cell], ledger: Ledger, fail_on: tuple[str, ...], incomplete: Sequence[str] = ()) -> int:

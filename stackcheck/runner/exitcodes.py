@@ -1,7 +1,8 @@
 """Exit codes: one rule for every command, so that a pipeline can gate on them.
 
 Every command exits 0 when it found nothing its rule counts as failing, 1 when it did (its report says what), 2 on a
-usage error (one line on stderr; nothing was run, and nothing recorded changed), 3 when stackcheck itself failed,
+usage error (one line on stderr; nothing was run, and nothing recorded changed), 3 when stackcheck itself failed, 4 when
+a set is unusable (a library that does not import, pins that cannot be installed together),
 128 + the signal when stopped by one (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP: the shell's convention, so that a CI step
 or `timeout` tells them apart), 141 when the reader of its output went away. Which findings fail is each command's row of COMMANDS; where users need another choice,
 `--fail-on` names the outcomes that fail instead of the default.
@@ -16,7 +17,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
-OK, FAILED, USAGE, INTERNAL, INTERRUPTED, READER_GONE = 0, 1, 2, 3, 130, 141
+OK, FAILED, USAGE, INTERNAL, UNUSABLE, INTERRUPTED, READER_GONE = 0, 1, 2, 3, 4, 130, 141
 HUNG_UP, TERMINATED = 128 + signal.SIGHUP, 128 + signal.SIGTERM  # 129, 143
 
 
@@ -31,6 +32,9 @@ CODES = {
     USAGE: "a usage error: a wrong input, or a set whose environment could not be built (uv's or pip's reason in the "
            "line). One line on stderr; nothing was run, and nothing recorded was changed",
     INTERNAL: "stackcheck itself failed: a traceback, which is a bug of stackcheck to report",
+    UNUSABLE: "a set is unusable (matrix, gpu-matrix): a library of it does not import in its environment, or its pins cannot "
+              "be installed together. One line names the set, the library, its version and why; its cells are not run, "
+              "the other sets run, and a failing cell of theirs makes the exit 1 instead",
     HUNG_UP: "stopped by SIGHUP (the terminal closed), as by Ctrl-C",
     INTERRUPTED: "interrupted (Ctrl-C): one line says what finished before and where it is kept; the pytest children and "
                  "their workers are stopped, every verdict recorded before (this run's and earlier runs') stays, and the "

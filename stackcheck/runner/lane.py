@@ -10,6 +10,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -214,17 +215,36 @@ def record_unbuildable(results_path: Path, vset: VersionSet, reason: str) -> Non
     ])
 
 
-def build_all(sets: list[VersionSet], find_links=(), no_index: bool = False, groups: tuple[str, ...] = ()) -> dict[str, Path]:
+def build_all(sets: list[VersionSet], find_links=(), no_index: bool = False, groups: tuple[str, ...] = (),
+              unusable: dict[str, str] | None = None) -> dict[str, Path]:
     """Every set's environment (its python, by set name), all built before any runs: a set that cannot be built
-    stops the command before anything ran or was recorded (envs.EnvBuildError: one line, exit 2)."""
+    stops the command before anything ran or was recorded (envs.EnvBuildError: one line, exit 2). With `unusable`,
+    a set whose pins cannot be installed together, or one of whose libraries does not import, is named there with
+    the reason and one line instead (its cells are not run; exitcodes.UNUSABLE)."""
     pythons = {}
     for vset in sets:
         try:
-            pythons[vset.name] = envs.build(vset, find_links, no_index, groups=groups)
-            print(f"== set {vset.name} installed: {envs.versions_in(pythons[vset.name], vset)}", flush=True)
+            python = envs.build(vset, find_links, no_index, groups=groups)
         except envs.EnvBuildError as exc:
-            raise envs.EnvBuildError(f"set {vset.name}: environment not built, nothing was run or recorded: {exc}") from None
+            if unusable is None or not CONFLICT.search(str(exc)) or MISSING.search(str(exc)):
+                raise envs.EnvBuildError(f"set {vset.name}: environment not built, nothing was run or recorded: {exc}") from None
+            unusable[vset.name] = f"its pins cannot be installed together ({exc})"
+        else:
+            problem = envs.import_problem(python) if unusable is not None else None
+            if unusable is not None and problem is not None:
+                unusable[vset.name] = problem
+            else:
+                pythons[vset.name] = python
+                print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
+        if unusable and vset.name in unusable:
+            print(f"stackcheck: set {vset.name} is unusable: {unusable[vset.name]}; its cells are not run", file=sys.stderr, flush=True)
     return pythons
+
+
+# How uv and pip say that pins cannot be installed together (not a network or index failure).
+CONFLICT = re.compile(r"No solution found|ResolutionImpossible|conflicting dependencies|are incompatible|unsatisfiable")
+# ... unless a pin names a release the index does not have: a usage error (a typo), not an unusable set.
+MISSING = re.compile(r"no version of|No matching distribution|not found in the package registry")
 
 
 def bench_set(vset: VersionSet, python: Path, size: str, results_dir: Path, repeat: int = 0, smoke: bool = False,

@@ -73,7 +73,7 @@ def test_scan_exits_0_when_it_finds_no_problem(tmp_path, capsys):
 def scripted(monkeypatch):
     """matrix with environments and pytest stood in for: `state["cells"]` are (verdict, bug) the run records,
     `state["code"]` is pytest's exit code; `state["built"]` lists the sets whose environment was asked for."""
-    state = {"cells": [("pass", None)], "code": 0, "built": [], "runs": 0}
+    state = {"cells": [("pass", None)], "code": 0, "built": [], "runs": 0, "unimportable": {}}
 
     def build(vset, find_links=(), no_index=False, groups=()):
         state["built"].append(vset.name)
@@ -92,6 +92,7 @@ def scripted(monkeypatch):
 
     monkeypatch.setattr(envs, "build", build)
     monkeypatch.setattr(envs, "versions_in", lambda python, vset: "scripted")
+    monkeypatch.setattr(envs, "import_problem", lambda python: state["unimportable"].get(state["built"][-1]))
     monkeypatch.setattr(matrix_command, "run_pytest", run_pytest)
     return state
 
@@ -136,6 +137,24 @@ def test_a_set_that_cannot_be_built_is_exit_2_before_any_set_runs_and_records_no
     assert line.startswith("stackcheck: set latest+peft==9.9.9: environment not built, nothing was run or recorded: uv pip install: ")
     assert "no version of peft==9.9.9" in line
     assert scripted["runs"] == 1 and path.read_bytes() == before  # no phantom set in matrix.json or matrix.md
+
+
+def test_an_unusable_set_is_one_line_its_cells_not_run_and_exit_4(scripted, tmp_path, capsys):
+    """A set one of whose libraries does not import (envs.import_problem, tested on a real environment in test_envs)
+    is named in one line and not run; the other set runs; exit 4 (exitcodes.UNUSABLE), 1 if a cell of the others fails."""
+    path = tmp_path / "m.json"
+    scripted["unimportable"] = {"seed+deepspeed==0.19.2": "deepspeed 0.19.2 does not import on Python 3.12 "
+                                                          "(ModuleNotFoundError: No module named 'distutils')"}
+    assert cli.main(["matrix", "--sets", "seed", "--with", "deepspeed==0.19.2", "--families", FAMILY, "--results", str(path)]) == 4
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("stackcheck: set seed+deepspeed==0.19.2 is unusable: deepspeed 0.19.2 does not import on Python 3.12 "
+                      "(ModuleNotFoundError: No module named 'distutils'); its cells are not run")
+    assert scripted["runs"] == 0 and not path.exists()
+    scripted["unimportable"] = {"latest": "peft 0.17.1 does not import on Python 3.11 (ImportError: x)"}
+    assert cli.main(["matrix", "--sets", "latest,seed", "--families", FAMILY, "--results", str(path)]) == 4
+    assert scripted["runs"] == 1 and {c.set_name for c in results.load(path)["cells"]} == {"seed"}
+    scripted["cells"] = [("new_failure", None)]
+    assert cli.main(["matrix", "--sets", "latest,seed", "--families", FAMILY, "--results", str(path)]) == 1
 
 
 def test_gpu_matrix_fails_when_no_gpu_cell_of_the_run_ran(scripted, monkeypatch, tmp_path, capsys):
