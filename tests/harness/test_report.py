@@ -163,3 +163,18 @@ def test_without_the_report_extra_it_says_how_to_install_it(tmp_path, capsys, mo
     assert cli.main(["report", "--matrix", str(SAMPLE), "--output", str(tmp_path / "r.html")]) == 2
     err = capsys.readouterr().err
     assert "pip install -e '.[report]'" in err and err.count("\n") == 1
+
+
+def test_a_cell_not_run_is_drawn_as_not_run_never_as_an_error(sample):
+    """A run stopped early lists its unreached cells apart (matrix.json's not_run): the page draws them as not run, a
+    square's colour only where none of its cells has a verdict, and counts them apart from errors."""
+    from stackcheck.core.cell import NOT_RUN
+
+    reached = sample["cells"][0]
+    waiting = reached.replace(family="no_such_family_yet", test=reached.test.replace("test_", "test_waiting_", 1), verdict=NOT_RUN)
+    beside = reached.replace(test=reached.test + "-again", verdict=NOT_RUN)
+    grid = report.grid_model({**sample, "not_run": [waiting, beside]}, Ledger())
+    square = grid["squares"][(waiting.family, waiting.arch, waiting.set_name, waiting.lane)]
+    assert square["verdict"] == NOT_RUN and square["counts"] == {NOT_RUN: 1}
+    assert grid["squares"][(reached.family, reached.arch, reached.set_name, reached.lane)]["verdict"] != NOT_RUN
+    assert grid["set_counts"][waiting.set_name][NOT_RUN] == 2 and "error" not in report.VERDICT_COLOURS[NOT_RUN]

@@ -21,6 +21,7 @@ from pathlib import Path
 from stackcheck import REPO_ROOT
 from stackcheck.runner import inputs
 from stackcheck.core import results
+from stackcheck.core.cell import NOT_RUN
 from stackcheck.core.ledger import SEVERITY, Ledger
 from stackcheck.core.versions import PACKAGES, UsageError, load_sets
 
@@ -31,8 +32,10 @@ INSTALL_HINT = "pip install -e '.[report]' (or run `nox -s report`, which instal
 # Verdict colours: red for what a gate fails on, orange for known bugs, green for passes, greys for the rest.
 VERDICT_COLOURS = {
     "new_failure": "#d62728", "error": "#8c1c13", "fixed": "#9467bd", "known_bug": "#ff7f0e", "not_affected": "#bcd9a3",
-    "pass": "#2ca02c", "skipped": "#c7c7c7", "not_applicable": "#ececec",
+    "pass": "#2ca02c", "skipped": "#c7c7c7", "not_applicable": "#ececec", NOT_RUN: "#cfe0f3",
 }
+# The page's verdicts, worst first: the ledger's, then a cell the run never reached (no verdict on record, docs/results.md).
+PAGE_VERDICTS = [*SEVERITY, NOT_RUN]
 VERDICT_WORDS = {
     "new_failure": "a failure no ledger entry explains: a regression, or a bug nobody has filed yet",
     "error": "the test could not reach its scenario, its setup broke, or the cell was lost",
@@ -42,6 +45,7 @@ VERDICT_WORDS = {
     "pass": "the scenario was reached and the property holds",
     "skipped": "did not run here (no GPU, a CPU without the code path, ...), with the reason",
     "not_applicable": "the architecture lacks the structure the scenario needs",
+    NOT_RUN: "not run: the run stopped before this cell (Ctrl-C, a signal, -x), and no earlier verdict is on record; never an error",
 }
 
 
@@ -130,7 +134,7 @@ def _quote(word: str) -> str:
 
 def grid_model(matrix: dict, ledger: Ledger) -> dict:
     """The grid: columns (set, lane), rows (family, arch), and per grid square its cells, worst verdict and counts."""
-    cells = matrix["cells"]
+    cells = [*matrix["cells"], *(matrix.get("not_run") or [])]
     sets = set_order(matrix["sets"] or {c.set_name for c in cells})
     lanes = [lane for lane in results.LANES if any(c.lane == lane for c in cells)]
     columns = [(name, lane) for name in sets for lane in lanes if any(c.set_name == name and c.lane == lane for c in cells)]
@@ -144,17 +148,17 @@ def grid_model(matrix: dict, ledger: Ledger) -> dict:
         key = (cell.family, cell.arch, cell.set_name, cell.lane)
         squares.setdefault(key, {"cells": []})["cells"].append(cell)
     for index, (_key, square) in enumerate(sorted(squares.items(), key=lambda item: (rows.index(item[0][:2]), columns.index(item[0][2:])))):
-        mine = sorted(square["cells"], key=lambda c: (SEVERITY.index(c.verdict), c.test))
+        mine = sorted(square["cells"], key=lambda c: (PAGE_VERDICTS.index(c.verdict), c.test))
         square["cells"] = mine
-        square["verdict"] = results.worst([c.verdict for c in mine])
-        square["counts"] = {v: sum(c.verdict == v for c in mine) for v in SEVERITY if any(c.verdict == v for c in mine)}
+        square["verdict"] = mine[0].verdict  # the worst: a square not run reads so only where none of its cells has a verdict
+        square["counts"] = {v: sum(c.verdict == v for c in mine) for v in PAGE_VERDICTS if any(c.verdict == v for c in mine)}
         square["bugs"] = sorted({c.bug for c in mine if c.bug})
         square["id"] = f"g-{index}"
     set_versions = {}
     for name in sets:
         entry = matrix["sets"].get(name, {})
         set_versions[name] = {package: entry[package] for package in PACKAGES if isinstance(entry.get(package), str)}
-    set_counts = {name: {v: n for v in SEVERITY if (n := sum(c.verdict == v for c in cells if c.set_name == name))} for name in sets}
+    set_counts = {name: {v: n for v in PAGE_VERDICTS if (n := sum(c.verdict == v for c in cells if c.set_name == name))} for name in sets}
     return {"sets": sets, "columns": columns, "set_counts": set_counts, "rows": rows, "squares": squares, "versions": set_versions,
             "families": families, "archs": archs, "device": {name: matrix["sets"].get(name, {}).get("device", "") for name in sets}}
 
@@ -360,7 +364,7 @@ def render(matrix: dict, sweeps: list[tuple[str, dict]], bench: dict[str, dict],
     libraries = [p for p in PACKAGES if any(p in v for v in grid["versions"].values())]
     return template.render(
         grid=grid, changes=change_lines(changes(grid)), families=families, family_bugs=family_bugs, histories=histories, plots=plots, bugs=bugs, unknown_bugs=unknown, ledger=ledger,
-        verdicts=SEVERITY, colours=VERDICT_COLOURS, words=VERDICT_WORDS, libraries=libraries,
+        verdicts=PAGE_VERDICTS, colours=VERDICT_COLOURS, words=VERDICT_WORDS, libraries=libraries,
         families_of={bug.id: ledger.families_of(bug) for bug in bugs}, repro=repro_command, slug=slug,
         total_cells=len(matrix["cells"]), plotly_js=get_plotlyjs() if (histories or plots) else "",
         css=(Path(__file__).parent / "page.css").read_text(), js=(Path(__file__).parent / "page.js").read_text(),
