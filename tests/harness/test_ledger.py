@@ -4,12 +4,15 @@ pure function of the test, the versions and the failure."""
 
 import importlib
 import json
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
+from stackcheck import REPO_ROOT
 from stackcheck.harness import scenario
 from stackcheck.models import architectures
 from stackcheck.core.ledger import ERROR, FIXED, KNOWN_BUG, LEDGER_FILE, NEW_FAILURE, NOT_AFFECTED, PASS, Failure, Ledger, LedgerError, Verdict, bound_key, family_modules
@@ -589,3 +592,12 @@ def test_a_release_that_predates_the_api_a_family_drives_is_not_affected(ledger,
     with pytest.raises(ImportError, match="a dependency broke") as excinfo:
         require_api("torch", "broken_api.sync")
     assert not isinstance(excinfo.value, ApiAbsent)
+
+
+def test_every_tests_pattern_matches_a_cell_of_the_whole_collection():
+    """The ledger's `tests` patterns are checked only where every architecture is collected (a matrix), never in a
+    run narrowed to one (CI's): collect every family on every architecture and both lanes, as a matrix does, so that a
+    pattern left behind by a renamed cell id fails here rather than as the matrix's usage error."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          "tests/families", "tests/contract"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "ledger.toml" not in run.stdout + run.stderr, (run.stdout + run.stderr)[-2000:]
