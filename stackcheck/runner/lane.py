@@ -230,12 +230,16 @@ def build_all(sets: list[VersionSet], find_links=(), no_index: bool = False, gro
                 raise envs.EnvBuildError(f"set {vset.name}: environment not built, nothing was run or recorded: {exc}") from None
             unusable[vset.name] = f"its pins cannot be installed together ({exc})"
         else:
+            try:
+                installed = envs.versions_in(python, vset)  # an environment that cannot say is not built (exit 2)
+            except envs.EnvBuildError as exc:
+                raise envs.EnvBuildError(f"set {vset.name}: environment not built, nothing was run or recorded: {exc}") from None
             problem = envs.import_problem(python) if unusable is not None else None
             if unusable is not None and problem is not None:
                 unusable[vset.name] = problem
             else:
                 pythons[vset.name] = python
-                print(f"== set {vset.name} installed: {envs.versions_in(python, vset)}", flush=True)
+                print(f"== set {vset.name} installed: {installed}", flush=True)
         if unusable and vset.name in unusable:
             print(f"stackcheck: set {vset.name} is unusable: {unusable[vset.name]}; its cells are not run", file=sys.stderr, flush=True)
     return pythons

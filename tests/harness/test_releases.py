@@ -8,6 +8,7 @@ import json
 import pytest
 from packaging.version import Version
 
+from stackcheck.core.versions import resolve
 from stackcheck import cli
 from stackcheck.runner import envs, lane
 from stackcheck.core import results
@@ -152,6 +153,7 @@ def watch(tmp_path, releases: dict) -> int:
 
 
 LATEST = {"peft": ["0.21.2"], "accelerate": ["1.15.0"], "bitsandbytes": ["0.50.2"]}
+LATEST_TRANSFORMERS = resolve(["latest"])[0].pins["transformers"].version  # sets.toml's, refreshed by refresh-latest
 
 
 def test_watch_gates_new_releases_and_bisects_the_flip_into_the_job_summary(tmp_path, runner, monkeypatch):
@@ -159,7 +161,7 @@ def test_watch_gates_new_releases_and_bisects_the_flip_into_the_job_summary(tmp_
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step_summary))
     assert watch(tmp_path, {"transformers": ["5.22.2", "5.23.0", "5.24.0", "5.25.0"], **LATEST}) == 1  # a regression
     summary = step_summary.read_text()
-    assert "## stackcheck gate: FAIL" in summary and "transformers 5.23.0 → 5.25.0" in summary
+    assert "## stackcheck gate: FAIL" in summary and f"transformers {LATEST_TRANSFORMERS} → 5.25.0" in summary
     assert "| cache_parity | transformers | verdicts | first broken in transformers 5.25.0 (last before it: 5.24.0) |" in summary
     record = json.loads((tmp_path / "watch" / "bisect-transformers-cache_parity.json").read_text())
     assert record["answer"]["first"] == "5.25.0"
@@ -170,6 +172,6 @@ def test_watch_gates_new_releases_and_bisects_the_flip_into_the_job_summary(tmp_
 
 
 def test_watch_with_nothing_new_runs_nothing(tmp_path, runner):
-    assert watch(tmp_path, {"transformers": ["5.22.2", "5.23.0"], **LATEST}) == 0
+    assert watch(tmp_path, {"transformers": ["5.22.2", LATEST_TRANSFORMERS], **LATEST}) == 0
     assert runner["calls"] == []
     assert "nothing new" in (tmp_path / "watch" / "summary.md").read_text()
