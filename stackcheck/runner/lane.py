@@ -204,13 +204,14 @@ def check_ledger() -> None:
     Ledger().check_modules(family_modules())
 
 
-def record_unbuildable(results_path: Path, vset: VersionSet, reason: str) -> None:
-    """A release whose environment cannot be built (a probe of bisect or history: a finding there, not a usage
-    error) still gets a verdict in every family's cell."""
-    results.record_set(results_path, vset.name, {"env": "not built"})
+def record_unbuildable(results_path: Path, vset: VersionSet, reason: str, unusable: bool = False) -> None:
+    """A release whose environment cannot be built, or one of whose libraries does not import there (`unusable`: a
+    probe of bisect or history, a finding there, not a usage error), gets one cell per family saying so, never a cell
+    per test; an unusable release is kept in the probe store (it is so on every run), one not built is not."""
+    results.record_set(results_path, vset.name, {"env": "unusable" if unusable else "not built"})
+    what = "set unusable" if unusable else "environment not built"
     results.record_cells(results_path, [
-        Cell(vset.name, family, family_path(family), "cpu", str(ERROR), signature=f"environment not built: {reason}",
-             note="setup broke")
+        Cell(vset.name, family, family_path(family), "cpu", str(ERROR), signature=f"{what}: {reason}", note="setup broke")
         for family in family_modules()
     ])
 
@@ -330,6 +331,12 @@ def run_timed(vset: VersionSet, targets: list[str], results_path: Path, find_lin
         costs["environment"] = time.monotonic() - started
     else:
         costs["environment"] = time.monotonic() - started
+        problem = envs.import_problem(python)
+        if problem is not None:
+            print(f"stackcheck: set {vset.name} is unusable: {problem}; its cells are not run", file=sys.stderr, flush=True)
+            record_unbuildable(results_path, vset, problem, unusable=True)
+            costs["total"] = time.monotonic() - started
+            return [c for c in results.load(results_path)["cells"] if c.set_name == vset.name], costs
         with tempfile.TemporaryDirectory(prefix="stackcheck-timing-") as scratch:
             timing = Path(scratch) / "timing.json"
             launched = time.monotonic()

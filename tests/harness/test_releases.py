@@ -175,3 +175,17 @@ def test_watch_with_nothing_new_runs_nothing(tmp_path, runner):
     assert watch(tmp_path, {"transformers": ["5.22.2", LATEST_TRANSFORMERS], **LATEST}) == 0
     assert runner["calls"] == []
     assert "nothing new" in (tmp_path / "watch" / "summary.md").read_text()
+
+
+def test_a_release_that_does_not_import_is_one_cell_per_family_saying_so(tmp_path, monkeypatch, capsys):
+    """peft 0.17.1 on transformers 5 cannot import (`HybridCache` is gone): its probe says so in one line and one cell
+    per family, never an error per test, and the release is kept in the store as unusable."""
+    problem = "peft 0.17.1 does not import on Python 3.12 (ImportError: cannot import name 'HybridCache' from 'transformers')"
+    monkeypatch.setattr(envs, "build", lambda *args, **kwargs: tmp_path / "python")
+    monkeypatch.setattr(envs, "import_problem", lambda python: problem)
+    monkeypatch.setattr(lane, "run_pytest", lambda *args, **kwargs: pytest.fail("a set that does not import ran its tests"))
+    (vset,) = resolve(["latest"], ["peft==0.17.1"])
+    cells, costs = lane.run_timed(vset, lane.family_targets(None), tmp_path / "matrix.json")
+    assert capsys.readouterr().err == f"stackcheck: set {vset.name} is unusable: {problem}; its cells are not run\n"
+    assert len(cells) == len({c.family for c in cells}) and {c.signature for c in cells} == {f"set unusable: {problem}"}
+    assert results.load(tmp_path / "matrix.json")["sets"][vset.name]["env"] == "unusable"
