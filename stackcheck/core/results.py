@@ -8,12 +8,12 @@ beside them, and the rest listed as not run. Every write is atomic (a temporary 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 import hashlib
 import json
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from stackcheck import REPO_ROOT
