@@ -6,11 +6,9 @@ what was collected, and each cell that can share a warm process is put on one xd
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from stackcheck.child import keys
+from stackcheck.child import evidence, keys
 from stackcheck.core.cell import Cell, detail_of, lane_of
 from stackcheck.core.ledger import ERROR, FIXED, KNOWN_BUG, NEW_FAILURE, NOT_AFFECTED, NOT_APPLICABLE, SKIPPED, Failure, Judgement, LedgerError, family_modules
 from stackcheck.core.results import family_of
@@ -67,8 +65,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     family = family_of(item.nodeid)
     if family is None or not _is_final_phase(report):
         return
-    judgement = _judge(item, call, report, family)
+    judgement, found = _judge(item, call, report, family)
     cell = Cell.judged(item.config.stash[keys.SET].name, family, item.nodeid, item.config.stash[keys.ARCH_NAMES], judgement)
+    cell = cell.replace(evidence=found)
     if judgement.verdict in (NEW_FAILURE, ERROR) and call.excinfo is not None:  # kept for whoever researches it
         cell = cell.replace(detail=detail_of(str(call.excinfo.value)))
     if RANKS in item.stash:  # a distributed job's cell records every rank
@@ -93,38 +92,34 @@ def _is_final_phase(report: pytest.TestReport) -> bool:
     return report.when == "call" or (report.when == "setup" and not report.passed)
 
 
-def _judge(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport, family: str) -> Judgement:
+def _judge(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport, family: str) -> tuple[Judgement, dict | None]:
+    """The test's verdict, and what it was judged from (stackcheck.child.evidence; None for a skip)."""
     if report.skipped and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        return Judgement(SKIPPED, note=reason)
+        return Judgement(SKIPPED, note=reason), None
     excinfo = call.excinfo
     if excinfo and excinfo.errisinstance(NotApplicable):
-        return Judgement(NOT_APPLICABLE, note=f"not applicable: {excinfo.value}")
+        return Judgement(NOT_APPLICABLE, note=f"not applicable: {excinfo.value}"), None
+    if report.when == "setup" or (excinfo and excinfo.errisinstance(FixtureError)):
+        exc = excinfo.value
+        # What broke a fixture (a FixtureError's cause) is judged: a known bug where the ledger knows it.
+        cause = exc.__cause__ if isinstance(exc, FixtureError) and exc.__cause__ is not None else exc
+        found = evidence.of_setup(Failure.from_exception(cause), Failure.from_exception(exc) if cause is not exc else None)
+    elif excinfo and excinfo.errisinstance(RanksFailed):  # each rank judged as a test of its own, then combined
+        found = evidence.of_ranks(excinfo.value.outcomes)
+    else:
+        from stackcheck.harness.scenario import ScenarioNotReached
+
+        not_reached = bool(excinfo and excinfo.errisinstance(ScenarioNotReached))
+        found = evidence.of_test(Failure.from_exception(excinfo.value, not_reached) if excinfo else None)
     arch = item.callspec.params.get("arch") if hasattr(item, "callspec") else None
+    found["model_type"] = arch.model_type if arch else None
 
     def judge(failure: Failure | None) -> Judgement:
         return item.config.stash[keys.LEDGER].judge(family, item.name, item.config.stash[keys.VERSIONS], failure,
-                                                   arch.model_type if arch else None)
+                                                   found["model_type"])
 
-    if report.when == "setup" or (excinfo and excinfo.errisinstance(FixtureError)):
-        return _judge_setup(excinfo.value, judge)
-
-    if excinfo and excinfo.errisinstance(RanksFailed):  # each rank judged as a test of its own, then combined
-        judgement, item.stash[keys.RANK_RECORDS] = judge_ranks(excinfo.value.outcomes, judge)
-        return judgement
-    from stackcheck.harness.scenario import ScenarioNotReached
-
-    not_reached = bool(excinfo and excinfo.errisinstance(ScenarioNotReached))
-    return judge(Failure.from_exception(excinfo.value, not_reached) if excinfo else None)
-
-
-def _judge_setup(exc: BaseException, judge) -> Judgement:
-    """A fixture that could not be built (or a setup that broke) is judged by the ledger like a test: what broke it
-    (a FixtureError's cause) is a `known_bug` where the ledger knows it in these versions. Anything else says nothing
-    about the scenario under test: `error`, setup broke, never `new_failure`."""
-    cause = exc.__cause__ if isinstance(exc, FixtureError) and exc.__cause__ is not None else exc
-    judgement = judge(Failure.from_exception(cause))
-    if judgement.verdict == KNOWN_BUG:
-        return dataclasses.replace(judgement, note=f"in the test's setup: {Failure.from_exception(exc).signature()}"
-                                   if cause is not exc else "in the test's setup")
-    return Judgement(ERROR, signature=Failure.from_exception(exc).signature(), note="setup broke")
+    judgement, ranks = evidence.judge(found, judge)
+    if ranks is not None:
+        item.stash[keys.RANK_RECORDS] = ranks
+    return judgement, found

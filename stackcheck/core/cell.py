@@ -19,7 +19,8 @@ KEYS = ("set", "family", "test", "lane", "arch", "verdict", "signature", "bug", 
 # Keys a cell has only where they apply: a distributed job's ranks (stackcheck.distributed.outcome.rank_record),
 # the id of the pytest run that recorded it (stackcheck.core.protocol.RUN_ENV), and the failure's detail.
 # `detail`: the tail of a new_failure's or error's message (a child process's output, say), kept for research.
-OPTIONAL_KEYS = ("ranks", "run", "detail")
+# `evidence`: what the verdict was judged from, to judge it again under another ledger (stackcheck.child.evidence).
+OPTIONAL_KEYS = ("ranks", "run", "detail", "evidence")
 DETAIL_LINES, DETAIL_CHARS = 30, 3000
 LOST = "cell lost: the run ended before this cell's verdict (a crashed worker or process)"
 # A cell a run collected and has not given a verdict (yet): kept apart from the verdicts, in matrix.json's `not_run`
@@ -64,6 +65,7 @@ class Cell:
     ranks: list[dict] | None = None
     run: str | None = None
     detail: str | None = None  # the message's last lines beyond the signature's first one (`detail_of`)
+    evidence: dict | None = None  # what the verdict was judged from (stackcheck.child.evidence)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # keys of a later format, kept as they are
 
     @property
@@ -115,11 +117,12 @@ class Cell:
         known = {*KEYS, *OPTIONAL_KEYS}
         return cls(data["set"], data["family"], data["test"], data["lane"], str(data["verdict"]), data.get("arch"),
                    data.get("signature"), data.get("bug"), data.get("note"), data.get("seconds", 0.0),
-                   data.get("ranks"), data.get("run"), data.get("detail"), {k: v for k, v in data.items() if k not in known})
+                   data.get("ranks"), data.get("run"), data.get("detail"), data.get("evidence"), {k: v for k, v in data.items() if k not in known})
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"set": self.set_name, "family": self.family, "test": self.test, "lane": self.lane, "arch": self.arch,
                                 "verdict": self.verdict, "signature": self.signature, "bug": self.bug, "note": self.note,
                                 "seconds": self.seconds}
-        data |= {key: value for key, value in (("ranks", self.ranks), ("run", self.run), ("detail", self.detail)) if value is not None}
+        data |= {key: value for key, value in (("ranks", self.ranks), ("run", self.run), ("detail", self.detail),
+                                                     ("evidence", self.evidence)) if value is not None}
         return self.extra | data

@@ -20,7 +20,7 @@ from stackcheck import REPO_ROOT
 from stackcheck.core import hostinfo
 from stackcheck.core.cell import KEYS, NOT_RUN, NOT_RUN_NOTE, Cell, arch_of, lane_of  # noqa: F401 - lane_of and arch_of are read from here too
 from stackcheck.core.locking import folder_locked
-from stackcheck.core.ledger import CONTRACT_DIR, FAMILIES_DIR, SEVERITY, SKIPPED, Ledger, Verdict
+from stackcheck.core.ledger import CONTRACT_DIR, FAMILIES_DIR, SEVERITY, SKIPPED, Ledger, Verdict, family_paths
 from stackcheck.core.versions import UsageError, load_sets
 
 LANES = ("gpu", "cpu")
@@ -29,6 +29,28 @@ CELL_KEYS = KEYS  # every recorded cell has them (stackcheck.core.cell); a distr
 # family tests with what they build and run.
 DEFINITION_FILES = ("stackcheck/ledger.toml", "stackcheck/core/ledger.py", "stackcheck/child/*.py", "stackcheck/harness/scenario.py", "stackcheck/harness/*.py", "stackcheck/core/hostinfo.py", "stackcheck/models/*.py", "fixtures/*.json", "fixtures/architectures/*.json", "tests/families/*.py",
                     "tests/contract/*/*.py", "stackcheck/distributed/*.py", "fixtures/distributed/*")
+
+
+LEDGER_FILE = "stackcheck/ledger.toml"
+
+
+def family_fingerprints(families: Sequence[str]) -> dict[str, str]:
+    """Each family's digest of what its cells' outcomes depend on, for the probe store (history, bisect, backtest): the
+    shared definitions and the family's own module, not the ledger (stored cells are judged again under today's,
+    stackcheck.child.evidence) nor other families' modules. A change to one family re-runs that family alone."""
+    paths = family_paths()
+    modules = set(paths.values())
+    shared = hashlib.sha256()
+    for path in sorted(p for pattern in DEFINITION_FILES for p in REPO_ROOT.glob(pattern) if p.is_file()):
+        if path.relative_to(REPO_ROOT).as_posix() != LEDGER_FILE and path not in modules:
+            shared.update(f"{path.relative_to(REPO_ROOT)}\0".encode() + path.read_bytes())
+    found = {}
+    for family in families:
+        digest = shared.copy()
+        if family in paths:
+            digest.update(paths[family].read_bytes())
+        found[family] = digest.hexdigest()[:16]
+    return found
 
 
 def family_of(nodeid: str) -> str | None:

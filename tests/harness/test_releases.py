@@ -38,7 +38,7 @@ def scripted_cells(version: str) -> list[dict]:
 def runner(monkeypatch, tmp_path):
     """lane.run_timed scripted per transformers version; `calls` lists the versions really probed, and
     `crash_at` makes one probe raise as a crashed sweep would."""
-    state = {"calls": [], "crash_at": None}
+    state = {"calls": [], "crash_at": None, "families": []}
 
     def run_timed(vset, targets, results_path, find_links=(), no_index=False, baseline=None, lanes=("cpu",), env=None, options=()):
         version = vset.pins["transformers"].version
@@ -47,6 +47,7 @@ def runner(monkeypatch, tmp_path):
         state["calls"].append(version)
         results.record_set(results_path, vset.name, {package: pin.version for package, pin in vset.pins.items()})  # as the plugin does
         families = {t.removeprefix("tests/families/test_").removesuffix(".py") for t in targets}
+        state["families"].append(families)
         cells = [Cell.from_dict(dict(c, set=vset.name, note=None, seconds=0.1)) for c in scripted_cells(version) if c["family"] in families]
         return cells, {"environment": 0.0, "startup": 1.0, "fixtures": 0.0, "tests": 0.5, "exit": 0.1, "total": 1.6}
 
@@ -85,8 +86,15 @@ def test_only_what_changed_runs_again(tmp_path, runner, monkeypatch):
     monkeypatch.setattr(probes, "probe_platform", lambda lanes: {"machine": "x86_64", "cpu_flags": "avx2"})
     assert history(tmp_path) == 0 and runner["calls"] == RELEASES  # another platform: every release again
     runner["calls"].clear()
-    monkeypatch.setattr(results, "fingerprint", lambda: "other-definitions")
-    assert history(tmp_path) == 0 and runner["calls"] == RELEASES  # other family definitions: again
+    runner["families"].clear()
+    real = results.family_fingerprints
+    monkeypatch.setattr(results, "family_fingerprints",
+                        lambda families: {f: "changed" if f == "cache_parity" else d for f, d in real(families).items()})
+    assert history(tmp_path) == 0 and runner["calls"] == RELEASES  # one family's definitions changed: again, that family
+    assert runner["families"] == [{"cache_parity"}] * len(RELEASES)
+    runner["calls"].clear()
+    monkeypatch.setattr(results, "fingerprint", lambda: "another-ledger")
+    assert history(tmp_path) == 0 and runner["calls"] == []  # the ledger is no definition of a stored outcome
 
 
 def test_the_map_marks_verdict_and_signature_transitions(tmp_path, runner):

@@ -2,8 +2,10 @@
 so that neither runs a probe the other (or an earlier run) already ran.
 
 A probe is known by its key (what its environment installs, the platform facts that choose a code path, the lanes);
-the store (results/probes.json) holds one entry per key, answers a later probe of the same key and family
-definitions, and is written the moment each probe ends. The key and entry: docs/internals.md, "commands/releases/probes.py".
+the store (results/probes.json) holds one entry per key, written the moment each probe ends. A family's stored cells
+answer while its own definitions are unchanged (`results.family_fingerprints`), judged again under today's ledger
+(stackcheck.child.evidence): a changed family re-runs alone, a ledger change re-runs nothing. The key and entry:
+docs/internals.md, "commands/releases/probes.py".
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stackcheck import REPO_ROOT
+from stackcheck.child import evidence
 from stackcheck.runner import envs, lane
 from stackcheck.core import hostinfo, results
 from stackcheck.core.cell import Cell
+from stackcheck.core.ledger import Ledger, family_modules
 from stackcheck.core.versions import VersionSet
 
 
@@ -66,6 +70,8 @@ class ProbeStore:
     def __init__(self, path: Path):
         self.path = path
         self._lock = threading.Lock()
+        self._prints: dict[str, str] | None = None  # today's family fingerprints, read once
+        self._ledger: Ledger | None = None
         if path.exists():
             self._load()  # a damaged store is a usage error before anything runs
 
@@ -75,35 +81,59 @@ class ProbeStore:
         return results.read_checked_json(self.path, _shape_problem, "probe store")
 
     def entry(self, key: dict) -> dict | None:
-        """The stored probe of this key under the checkout's family definitions, if there is one."""
+        """The stored probe of this key, whatever definitions it ran under."""
         with self._lock:
             data = self._load()
-        fingerprint = results.fingerprint()
-        return next((e for e in data["probes"] if e["key"] == key and e["fingerprint"] == fingerprint), None)
+        return next((e for e in data["probes"] if e["key"] == key), None)
+
+    def _fingerprints(self) -> dict[str, str]:
+        if self._prints is None:
+            self._prints = results.family_fingerprints(family_modules())
+        return self._prints
+
+    def current(self, key: dict, families: list[str]) -> list[str]:
+        """The families among `families` whose stored cells for `key` ran under today's definitions."""
+        stored = self.entry(key)
+        if stored is None:
+            return []
+        have, today = stored.get("fingerprints") or {}, self._fingerprints()
+        return [f for f in families if f in have and have[f] == today.get(f)]
+
+    def cells(self, key: dict, families: list[str]) -> list[Cell]:
+        """The stored cells of `families` for `key`, judged again under today's ledger."""
+        stored = self.entry(key)
+        if stored is None:
+            return []
+        if self._ledger is None:
+            self._ledger = Ledger()
+        versions = stored.get("versions") or {}
+        return [evidence.rejudge(Cell.from_dict(c), self._ledger, versions) for c in stored["cells"] if c["family"] in families]
 
     def probe(self, key: dict, label: str, families: list[str]) -> Probe | None:
-        """The stored probe of this key, with the cells of `families`, when it ran all of them."""
+        """The stored probe of this key, with the cells of `families`, when every one of them is current."""
         stored = self.entry(key)
-        if stored is None or not set(families) <= set(stored["families"]):
+        if stored is None or len(self.current(key, families)) != len(families):
             return None
-        cells = [Cell.from_dict(c) for c in stored["cells"] if c["family"] in families]
-        return Probe(label, cells, reused=True, costs=stored["costs"], concurrent=stored["concurrent"], versions=stored["versions"])
+        return Probe(label, self.cells(key, families), reused=True, costs=stored["costs"], concurrent=stored["concurrent"],
+                     versions=stored["versions"])
 
     def add(self, key: dict, label: str, families: list[str], cells: list[Cell], versions: dict, costs: dict,
             concurrent: int) -> None:
-        """Record a probe. Under the same definitions its families' cells replace those stored for the key
-        (other families' stay); under other definitions the whole entry is replaced."""
-        fingerprint = results.fingerprint()
+        """Record a probe of `families`: their cells replace those stored for the key; other families' stay while
+        their definitions are today's."""
+        today = self._fingerprints()
         with self._lock:
             data = self._load()
             old = next((e for e in data["probes"] if e["key"] == key), None)
-            same = old if old is not None and old["fingerprint"] == fingerprint else None  # the entry this one extends
-            kept = [c for c in same["cells"] if c["family"] not in families] if same is not None else []
+            have = (old.get("fingerprints") or {}) if old is not None else {}
+            kept = {f for f, digest in have.items() if f not in families and today.get(f) == digest}
             entry = {
-                "key": key, "label": label, "fingerprint": fingerprint,
-                # The families it ran, those of a run before kept (a family may have no cell: re-running another keeps it).
-                "families": sorted((set(same["families"]) if same is not None else set()) | set(families)),
-                "versions": versions, "cells": kept + [cell.to_dict() for cell in cells],
+                "key": key, "label": label,
+                # Each family's definitions when its cells were recorded; a family may have no cell.
+                "fingerprints": {**{f: have[f] for f in sorted(kept)}, **{f: today[f] for f in families if f in today}},
+                "families": sorted(kept | set(families)),
+                "versions": versions,
+                "cells": [c for c in (old["cells"] if old is not None else []) if c["family"] in kept] + [cell.to_dict() for cell in cells],
                 "costs": {name: round(value, 2) if value is not None else None for name, value in costs.items()},
                 "concurrent": concurrent, "finished": datetime.datetime.now().isoformat(timespec="seconds"),
             }
@@ -115,8 +145,8 @@ def _shape_problem(data) -> str | None:
     if not isinstance(data, dict) or not isinstance(data.get("probes"), list):
         return "it has no `probes` list"
     for index, entry in enumerate(data["probes"]):
-        if not isinstance(entry, dict) or not {"key", "label", "fingerprint", "families", "cells"} <= entry.keys():
-            return f"probe {index} lacks key, label, fingerprint, families or cells"
+        if not isinstance(entry, dict) or not {"key", "label", "families", "cells"} <= entry.keys():
+            return f"probe {index} lacks key, label, families or cells"
     return None
 
 
@@ -151,10 +181,12 @@ class Prober:
             print(f"== probe {label}: from {self.store.path.name} (same environment, family definitions and platform)", flush=True)
             return stored
         key = self.key(vset)
+        current = self.store.current(key, families) if self.store and not fresh else []
+        todo = [f for f in families if f not in current]  # the families whose definitions changed since they were stored
         env = {**(env or {}), **({"OMP_NUM_THREADS": str(self.threads)} if self.threads else {})}
         with tempfile.TemporaryDirectory(prefix="stackcheck-probe-") as scratch:
             matrix = Path(scratch) / "matrix.json"
-            ran, costs = lane.run_timed(vset, lane.family_targets(families), matrix, self.find_links, self.no_index,
+            ran, costs = lane.run_timed(vset, lane.family_targets(todo), matrix, self.find_links, self.no_index,
                                         lanes=self.lanes, env=env, options=list(self.options))
             cells = list(ran)
             installed = {k: v for k, v in results.load(matrix)["sets"].get(vset.name, {}).items() if k != "platform"}
@@ -164,5 +196,6 @@ class Prober:
             costs |= {"environment": environment, "total": total - reused + environment}
         built = installed.get("env") != "not built"
         if self.store and built:  # an environment that did not build may build next time (a network hiccup)
-            self.store.add(key, label, families, cells, installed, costs, concurrent)
+            self.store.add(key, label, todo, cells, installed, costs, concurrent)
+            cells = self.store.cells(key, current) + cells
         return Probe(label, cells, reused=False, costs=costs, concurrent=concurrent, versions=installed, built=built)
