@@ -11,7 +11,7 @@ from pathlib import Path
 from stackcheck import REPO_ROOT
 from stackcheck.commands import bench, docgen, gate, matrix, report, setup
 from stackcheck.commands.matrix import gpu_device
-from stackcheck.commands.releases import bisect, history, watch
+from stackcheck.commands.releases import backtest, bisect, history, watch
 from stackcheck.commands.releases import watch as watch_module
 from stackcheck.commands.releases.probes import DEFAULT_STORE
 from stackcheck.commands.triage import doctor, repro, scan
@@ -167,6 +167,23 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument("--output", type=absolute_path, help="the map's json, with .md and .png beside it (default: results/history-<package>.json)")
     history.add_argument("--render-only", action="store_true", help="run nothing: draw the map in --output again")
 
+    back = commands.add_parser("backtest", help="every release of each library in stackcheck/backtest.toml: the maps, and "
+                                                "the disposition of every cell that does not pass")
+    back.add_argument("--libraries", action=inputs.ListOption, help="comma-separated libraries of the plan (default: all of them)")
+    back.add_argument("--plan", type=absolute_path, help="the plan (default: stackcheck/backtest.toml)")
+    back.add_argument("--releases", type=absolute_path, metavar="JSON",
+                      help="{library: [releases]} to sweep instead of the package index's (an offline host)")
+    back.add_argument("--find-links", action="append", default=[], metavar="DIR", help="extra wheel folder")
+    back.add_argument("--no-index", action="store_true", help="install only from --find-links folders")
+    back.add_argument("--gpu", action="store_true", help="both lanes, on a GPU host (default: the CPU lane)")
+    back.add_argument("--jobs", type=int, help="probes run side by side (default: one per core)")
+    back.add_argument("--store", type=absolute_path, help=STORE_HELP)
+    back.add_argument("--arch", action=inputs.ListOption, help=ARCH_HELP.replace("Default: every built-in one", "Default: the plan's"))
+    back.add_argument("--maps", type=absolute_path, default=RESULTS_DIR, help="folder of the libraries' history-<library>.json maps (default: results)")
+    back.add_argument("--output", type=absolute_path, default=RESULTS_DIR / "backtest.json",
+                      help="the page's json, with .md beside it (default: results/backtest.json)")
+    back.add_argument("--render-only", action="store_true", help="run nothing: judge the maps in --maps again and draw the page")
+
     watch = commands.add_parser("watch", help="gate the newest releases against `latest`; bisect each family that flips")
     add_set_option(watch, many=False, default="latest")  # the recorded set to compare with
     watch.add_argument("--releases", type=absolute_path, metavar="JSON",
@@ -246,7 +263,7 @@ def _output_folder_then(body):
 COMMANDS = {
     "matrix": matrix.run, "gpu-matrix": matrix.run, "tests": matrix.tests, "bench": bench.run,
     "versions": setup.versions, "wheelhouse": setup.wheelhouse, "refresh-latest": setup.refresh_latest, "merge": setup.merge,
-    "bisect": _paths_then(bisect.run), "history": _paths_then(history.run), "watch": _output_folder_then(watch.run),
+    "bisect": _paths_then(bisect.run), "history": _paths_then(history.run), "backtest": backtest.run, "watch": _output_folder_then(watch.run),
     "gate": _output_folder_then(gate.run), "repro": _output_folder_then(repro.run),
     "doctor": doctor.run, "scan": lambda args: scan.run(args, args.argv), "report": report.run,
     "docs": lambda args: docgen.run(args, _parser()),
@@ -265,6 +282,7 @@ KEPT = {
     "wheelhouse": [("the downloaded wheels", lambda args: args.dest)], "repro": [("the finished exports", lambda args: args.output)],
     "bisect": [("the probes", _bisect_record), ("the probes", lambda args: args.store or DEFAULT_STORE)],
     "history": [("the probes", lambda args: args.store or DEFAULT_STORE)],
+    "backtest": [("the probes", lambda args: args.store or DEFAULT_STORE), ("the maps", lambda args: args.maps)],
     "watch": [("the probes", lambda args: args.store or DEFAULT_STORE), ("the bisects", lambda args: args.output)],
 }
 

@@ -85,6 +85,7 @@ COMMANDS = (
     Rule(("repro",), "a cell did not reproduce with its signature, or was not exported"),
     Rule(("bisect",), "no answer: the endpoints give the same verdicts, a probe could not decide, or the answer is ambiguous"),
     Rule(("history",), "a release in the range has no probe"),
+    Rule(("backtest",), "a cell is open: a `new_failure`, `error` or `fixed` that no ledger entry explains inside its range"),
     Rule(("bench",), "a set's benchmarks failed or are missing"),
     Rule(("docs",), "with `--check`, a generated page is not current"),
     Rule(("versions", "wheelhouse", "merge", "refresh-latest", "report"), "never: they succeed (0) or refuse (2)"),

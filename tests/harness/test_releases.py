@@ -197,3 +197,22 @@ def test_a_release_that_does_not_import_is_one_cell_per_family_saying_so(tmp_pat
     assert capsys.readouterr().err == f"stackcheck: set {vset.name} is unusable: {problem}; its cells are not run\n"
     assert len(cells) == len({c.family for c in cells}) and {c.signature for c in cells} == {f"set unusable: {problem}"}
     assert results.load(tmp_path / "matrix.json")["sets"][vset.name]["env"] == "unusable"
+
+
+def test_the_backtest_disposes_of_every_cell_that_does_not_pass_and_leaves_the_rest_open(tmp_path, runner, capsys):
+    plan = tmp_path / "plan.toml"
+    plan.write_text('arch = []\n[libraries.transformers]\nfrom = "5.10.1"\nto = "5.25.0"\nbase = "seed"\n'
+                    f'families = {FAMILIES.split(",")!r}\n'.replace("'", '"'))
+    listed = tmp_path / "releases.json"
+    listed.write_text(json.dumps({"transformers": [*RELEASES, "5.25.0"]}))
+    argv = ["backtest", "--plan", str(plan), "--releases", str(listed), "--jobs", "1", "--store", str(tmp_path / "probes.json"),
+            "--maps", str(tmp_path), "--output", str(tmp_path / "backtest.json")]
+    assert cli.main(argv) == 1  # cache_parity's new failure on 5.25.0 is open
+    page = (tmp_path / "backtest.md").read_text()
+    assert "| **new_failure** | cache_parity | 1 | 5.25.0 |" in page
+    assert "| known_bug | params4bit_kwargs | 2 | 5.10.1…5.11.0 |" in page  # the cells that fail inside the range
+    assert "| params4bit_kwargs | K 5.10.1…5.11.0, P 5.12.0…5.25.0 |" in page
+    assert (tmp_path / "history-transformers.json").exists() and len(runner["calls"]) == 6
+    runner["calls"].clear()
+    assert cli.main([*argv, "--render-only"]) == 1 and runner["calls"] == []  # drawn again from the maps, nothing run
+    assert "1 cells open" in capsys.readouterr().out

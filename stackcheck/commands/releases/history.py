@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stackcheck import REPO_ROOT
+from stackcheck.child import evidence
 from stackcheck.runner import envs, lane
 from stackcheck.core import results
 from stackcheck.core.cell import Cell
@@ -269,9 +270,20 @@ def map_record(sweep: dict, rows: list[tuple[str, Probe | None]]) -> dict:
     return {"sweep": sweep, "releases": releases, "transitions": [asdict(t) for t in found]}
 
 
-def rows_of(record: dict) -> list[tuple[str, Probe | None]]:
-    return [(r["release"], Probe(**dict(r["probe"], cells=[Cell.from_dict(c) for c in r["probe"]["cells"]])) if r["probe"] else None)
-            for r in record["releases"]]
+def rows_of(record: dict, ledger: Ledger | None = None) -> list[tuple[str, Probe | None]]:
+    """The map's releases and probes, each cell judged again under today's ledger from its evidence (a cell
+    recorded without it keeps its verdict): a ledger change redraws the map without a probe."""
+    ledger = ledger or Ledger()
+    rows: list[tuple[str, Probe | None]] = []
+    for r in record["releases"]:
+        stored = r["probe"]
+        if not stored:
+            rows.append((r["release"], None))
+            continue
+        versions = stored.get("versions") or {}
+        cells = [evidence.rejudge(Cell.from_dict(c), ledger, versions) for c in stored["cells"]]
+        rows.append((r["release"], Probe(**dict(stored, cells=cells))))
+    return rows
 
 
 def _map_problem(data) -> str | None:
@@ -281,9 +293,10 @@ def _map_problem(data) -> str | None:
 
 
 def render(record: dict, output: Path) -> str | None:
-    """Write the map's JSON, Markdown and PNG; a note when the PNG could not be drawn."""
+    """Write the map's JSON, Markdown and PNG, its cells judged under today's ledger; a note when the PNG could not
+    be drawn."""
     rows, sweep = rows_of(record), record["sweep"]
-    results.write_json(output, record)
+    results.write_json(output, map_record(sweep, rows))
     output.with_suffix(".md").write_text(render_markdown(sweep, rows, sweep["families"]))
     return render_heat_map(sweep, rows, sweep["families"], output.with_suffix(".png"))
 

@@ -154,14 +154,17 @@ class Prober:
     """Runs sets through families in `lanes`, or answers from the store when it holds the probe."""
 
     def __init__(self, store: ProbeStore | None, find_links=(), no_index: bool = False, lanes: tuple[str, ...] = ("cpu",),
-                 threads: int | None = None, options: tuple[str, ...] = ()):
+                 threads: int | None = None, options: tuple[str, ...] = (), variables: dict[str, str] | None = None):
         self.store, self.find_links, self.no_index, self.lanes = store, list(find_links), no_index, lanes
+        # STACKCHECK_ variables of every probe (the backtest's deepspeed sweep: STACKCHECK_DIST_CPU=all), part of its key
+        self.variables = dict(variables or {})
         self.options = tuple(options)  # pytest options of every probe: the architectures (`lane.arch_options`)
         # Each probe's CPU threads (OMP_NUM_THREADS, which torch follows); None leaves torch's default.
         self.threads = threads
 
     def key(self, vset: VersionSet) -> dict:
-        return probe_key(vset, self.lanes, self.options)
+        key = probe_key(vset, self.lanes, self.options)
+        return key | {"variables": self.variables} if self.variables else key
 
     def stored(self, label: str, vset: VersionSet, families: list[str]) -> Probe | None:
         return self.store.probe(self.key(vset), label, families) if self.store else None
@@ -183,7 +186,7 @@ class Prober:
         key = self.key(vset)
         current = self.store.current(key, families) if self.store and not fresh else []
         todo = [f for f in families if f not in current]  # the families whose definitions changed since they were stored
-        env = {**(env or {}), **({"OMP_NUM_THREADS": str(self.threads)} if self.threads else {})}
+        env = {**(env or {}), **self.variables, **({"OMP_NUM_THREADS": str(self.threads)} if self.threads else {})}
         with tempfile.TemporaryDirectory(prefix="stackcheck-probe-") as scratch:
             matrix = Path(scratch) / "matrix.json"
             ran, costs = lane.run_timed(vset, lane.family_targets(todo), matrix, self.find_links, self.no_index,

@@ -1,0 +1,274 @@
+"""`stackcheck backtest`: every release of each library in stackcheck/backtest.toml, pinned alone on its base set,
+through the families its releases can change (history's sweep and probe store, so it resumes and a ledger change
+re-runs nothing), then one page: each library's map (family × release) and the disposition of every cell that does
+not pass. A cell no ledger entry explains inside its measured range (`fixed`, `new_failure`, `error`) is open until it
+is researched into the ledger; the command exits 1 while any is. How: docs/internals.md, "commands/releases/backtest.py".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from stackcheck import REPO_ROOT
+from stackcheck.commands.releases import history, watch
+from stackcheck.commands.releases.probes import DEFAULT_STORE, Prober, ProbeStore
+from stackcheck.core import results
+from stackcheck.core.cell import Cell
+from stackcheck.core.ledger import FIXED, NEW_FAILURE, ERROR, KNOWN_BUG, NOT_AFFECTED, NOT_APPLICABLE, PASS, SKIPPED, Bug, Ledger, family_modules
+from stackcheck.core.versions import PACKAGES, UsageError, resolve
+from stackcheck.runner import lane
+
+PLAN = REPO_ROOT / "stackcheck" / "backtest.toml"
+DEFAULT_OUTPUT = REPO_ROOT / "results" / "backtest.json"
+OPEN = (NEW_FAILURE, ERROR, FIXED)  # verdicts the backtest leaves open until the ledger explains them
+# How each verdict's cells are disposed of, in the page's order.
+DISPOSED = (KNOWN_BUG, NOT_AFFECTED, NOT_APPLICABLE, SKIPPED)
+
+
+@dataclass(frozen=True)
+class Library:
+    name: str
+    start: str
+    end: str
+    base: str
+    families: tuple[str, ...] | None  # None: every family
+    variables: tuple[tuple[str, str], ...] = ()  # STACKCHECK_ variables of its probes
+
+    def family_list(self) -> list[str]:
+        return list(self.families) if self.families is not None else family_modules()
+
+
+def load_plan(path: Path = PLAN) -> tuple[list[Library], list[str]]:
+    """The plan's libraries, in its order, and the architectures of every sweep."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"backtest plan {path}: {exc}") from None
+    libraries = []
+    for name, entry in data.get("libraries", {}).items():
+        if name not in PACKAGES:
+            raise UsageError(f"backtest plan: unknown library '{name}' (known: {', '.join(PACKAGES)})")
+        families = entry.get("families", "all")
+        variables = entry.get("variables", {})
+        if not all(key.startswith("STACKCHECK_") for key in variables):
+            raise UsageError(f"backtest plan: {name}.variables may set STACKCHECK_ variables alone")
+        libraries.append(Library(name, entry["from"], entry["to"], entry.get("base", "seed"),
+                                 None if families == "all" else tuple(families), tuple(sorted(variables.items()))))
+    return libraries, list(data.get("arch", []))
+
+
+def map_path(folder: Path, library: str) -> Path:
+    return folder / f"history-{library}.json"
+
+
+def sweep_library(library: Library, arch: str | None, store: ProbeStore, args) -> dict:
+    """Run (or take from the store) every release of `library` and write its history map beside the output."""
+    families = library.family_list()
+    lane.family_targets(families)  # an unknown family is a usage error
+    lanes = ("gpu", "cpu") if args.gpu else ("cpu",)
+    listed = [str(v) for v in watch.releases_from(args.releases)(library.name)] if args.releases else None
+    releases = history.releases_in_range(library.name, library.start, library.end, ",".join(listed) if listed else None)
+    jobs = args.jobs or history.default_jobs()
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    prober = Prober(store, args.find_links, args.no_index, lanes, threads, tuple(lane.arch_options(arch)), dict(library.variables))
+    sets = {release: resolve([library.base], [f"{library.name}=={release}"])[0] for release in releases}
+    sweep = {"package": library.name, "from": releases[0], "to": releases[-1], "base": library.base, "overrides": [],
+             "families": families, "lanes": list(lanes), "platform": prober.key(sets[releases[0]])["platform"],
+             "fingerprint": results.fingerprint(), "jobs": jobs, "threads": threads, "cores": os.cpu_count()}
+    started = time.monotonic()
+    rows = history.sweep_releases(prober, sets, families, jobs)
+    sweep["seconds"] = round(time.monotonic() - started, 1)
+    record = history.map_record(sweep, rows)
+    results.write_json(map_path(args.maps, library.name), record)  # at once: a later library's crash keeps it
+    return record
+
+
+# ------------------------------------------------------------------------------------------------------ the page
+
+_NUMBERS = re.compile(r"\d+(\.\d+)?(e-?\d+)?")
+
+
+def reason_of(cell: Cell) -> str:
+    """What groups a cell with others of its kind: its bug, else its note or signature with numbers blanked."""
+    if cell.verdict == KNOWN_BUG:
+        return cell.bug or ""
+    text = cell.signature if cell.verdict in OPEN and cell.signature else (cell.note or cell.signature or "")
+    text = text.split("\n", 1)[0]
+    return _NUMBERS.sub("#", text)[:220]
+
+
+def spans(labels: list[str], present: set[str]) -> str:
+    """Releases of `labels` (oldest first) in `present`, as runs: `5.0.0…5.4.0, 5.6.2`."""
+    runs: list[list[str]] = []
+    previous_in = False
+    for label in labels:
+        if label in present:
+            if previous_in:
+                runs[-1][1] = label
+            else:
+                runs.append([label, label])
+        previous_in = label in present
+    return ", ".join(first if first == last else f"{first}…{last}" for first, last in runs)
+
+
+def dispositions(record: dict, ledger: Ledger) -> list[dict]:
+    """Every cell that does not pass in one library's map, grouped by verdict, family and reason, with the releases
+    it shows on and what disposes of it (`open`: nothing yet)."""
+    rows = history.rows_of(record, ledger)
+    labels = [label for label, _ in rows]
+    groups: dict[tuple[str, str, str], dict] = {}
+    for label, probe in rows:
+        for cell in probe.cells if probe else []:
+            if cell.verdict == PASS:
+                continue
+            key = (cell.verdict, cell.family, reason_of(cell))
+            group = groups.setdefault(key, {"verdict": cell.verdict, "family": cell.family, "reason": key[2], "bug": cell.bug,
+                                            "releases": set(), "cells": 0, "arch": set(), "example": cell})
+            group["releases"].add(label)
+            group["cells"] += 1
+            if cell.arch:
+                group["arch"].add(cell.arch)
+    found = []
+    for group in groups.values():
+        group["span"] = spans(labels, group.pop("releases"))
+        group["arch"] = sorted(group["arch"])
+        group["disposition"] = disposition(group, ledger)
+        group["open"] = group["verdict"] in OPEN
+        found.append(group)
+    order = {verdict: index for index, verdict in enumerate([*OPEN, *DISPOSED])}
+    found.sort(key=lambda g: (order.get(g["verdict"], 99), g["family"], g["reason"]))
+    return found
+
+
+def disposition(group: dict, ledger: Ledger) -> str:
+    verdict, bug = group["verdict"], ledger.bugs.get(group["bug"] or "")
+    if verdict == KNOWN_BUG:
+        if bug is None:
+            return f"known bug {group['bug']}, which this ledger no longer lists"
+        evidence = "; ".join(f"`{bound}` {kind}" for bound, kind in bound_kinds(bug))
+        return f"known bug inside its range ({bug.describe_range()}){': ' + evidence if evidence else ''}"
+    if verdict in (NOT_AFFECTED, NOT_APPLICABLE, SKIPPED):
+        return {NOT_AFFECTED: "the release predates the API or the bug", NOT_APPLICABLE: "the architecture lacks the structure",
+                SKIPPED: "not run on this lane or host"}[verdict]
+    example: Cell = group["example"]
+    return f"open: {example.note or 'no ledger entry explains it'}"
+
+
+def bound_kinds(bug: Bug) -> list[tuple[str, str]]:
+    """Each bound of the bug's range and the kind of its evidence: measured, with a reason, or awaiting the sweep."""
+    words = {"measured": "measured", "reason": "with a reason", "awaits": "awaiting the sweep"}
+    return [(bound, words[proof.state]) for bound, proof in bug.bounds.items()]
+
+
+CODE_ORDER = (NEW_FAILURE, ERROR, FIXED, KNOWN_BUG, NOT_AFFECTED, PASS, SKIPPED, NOT_APPLICABLE)
+
+
+def family_spans(record: dict, ledger: Ledger) -> list[tuple[str, str]]:
+    """Each family's states over the releases as runs of the same verdict codes (history's letters)."""
+    rows = history.rows_of(record, ledger)
+    found = []
+    for family in record["sweep"]["families"]:
+        runs: list[list[str]] = []
+        for label, probe in rows:
+            if probe is None:
+                continue
+            code = history.cell_code([c for c in probe.cells if c.family == family])
+            if runs and runs[-1][0] == code:
+                runs[-1][2] = label
+            else:
+                runs.append([code, label, label])
+        found.append((family, ", ".join(f"{code} {first}" + (f"…{last}" if last != first else "") for code, first, last in runs)))
+    return found
+
+
+def render_markdown(records: list[dict], ledger: Ledger, arch: str | None) -> str:
+    letters = ", ".join(f"{code} {verdict}" for verdict, code in history.VERDICT_CODES.items())
+    lines = ["# The backtest: every release of the stack's libraries", "",
+             "Generated by `python -m stackcheck backtest` from the plan in `stackcheck/backtest.toml`: each library's releases "
+             "pinned alone on its base set, judged under the ledger of this checkout. Architectures: "
+             f"{(arch or 'every built-in one').replace(',', ', ')}. Letters: {letters}.", ""]
+    summary = ["| library | releases | base | lanes | families | cells | open |", "|---|---|---|---|---|---|---|"]
+    sections = []
+    for record in records:
+        sweep = record["sweep"]
+        groups = dispositions(record, ledger)
+        probed = [r for r in record["releases"] if r["probe"]]
+        cells = sum(len(r["probe"]["cells"]) for r in probed)
+        opened = sum(g["cells"] for g in groups if g["open"])
+        summary.append(f"| {sweep['package']} | {sweep['from']}…{sweep['to']} ({len(probed)} of {len(record['releases'])} probed) | "
+                       f"{sweep['base']} | {', '.join(sweep['lanes'])} | {len(sweep['families'])} | {cells} | {opened} |")
+        sections += [f"## {sweep['package']}", "",
+                     f"{sweep['package']} {sweep['from']} to {sweep['to']} on `{sweep['base']}`, lanes {', '.join(sweep['lanes'])}, "
+                     f"platform {', '.join(f'{k} {v}' for k, v in sweep['platform'].items())}. "
+                     f"Release by release: `history-{sweep['package']}.md` beside this page's results.", "",
+                     "### Map (each family's verdict letters, worst first, as runs of releases)", "",
+                     "| family | releases |", "|---|---|"]
+        sections += [f"| {family} | {text} |" for family, text in family_spans(record, ledger)]
+        sections += ["", "### Every cell that does not pass", "",
+                     "| verdict | family | cells | releases | architectures | bug or reason | disposition |", "|---|---|---|---|---|---|---|"]
+        for group in groups:
+            reason = f"`{group['bug']}`" if group["verdict"] == KNOWN_BUG else group["reason"].replace("|", "\\|")
+            sections.append(f"| {'**' + group['verdict'] + '**' if group['open'] else group['verdict']} | {group['family']} | "
+                            f"{group['cells']} | {group['span']} | {', '.join(group['arch']) or '–'} | {reason} | "
+                            f"{group['disposition'].replace('|', '/')} |")
+        sections.append("")
+    return "\n".join(lines + summary + [""] + sections)
+
+
+def page_record(records: list[dict], ledger: Ledger) -> dict:
+    """The backtest as JSON: per library its sweep, each family's runs and the dispositions (cells dropped)."""
+    out = []
+    for record in records:
+        groups = [{k: v for k, v in g.items() if k != "example"} for g in dispositions(record, ledger)]
+        out.append({"sweep": record["sweep"], "releases": [r["release"] for r in record["releases"]],
+                    "probed": [r["release"] for r in record["releases"] if r["probe"]],
+                    "families": dict(family_spans(record, ledger)), "dispositions": groups})
+    return {"libraries": out}
+
+
+def run(args) -> int:
+    """The `backtest` command: 0 when every cell that does not pass is disposed of, 1 while any is open."""
+    libraries, plan_arch = load_plan(args.plan or PLAN)
+    if args.libraries:
+        chosen = args.libraries.split(",")
+        unknown = set(chosen) - {lib.name for lib in libraries}
+        if unknown:
+            raise UsageError(f"--libraries: {', '.join(sorted(unknown))} not in the plan ({', '.join(lib.name for lib in libraries)})")
+        libraries = [lib for lib in libraries if lib.name in chosen]
+    arch = args.arch or ",".join(plan_arch) or None
+    output: Path = args.output
+    output.parent.mkdir(parents=True, exist_ok=True)
+    records = []
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: at least one probe must run")
+    if args.render_only:
+        for library in libraries:
+            path = map_path(args.maps, library.name)
+            if path.exists():
+                records.append(results.read_checked_json(path, history._map_problem, "history map"))
+    else:
+        lane.check_ledger()
+        store = ProbeStore(args.store or DEFAULT_STORE)
+        for library in libraries:
+            print(f"== backtest: {library.name} {library.start}…{library.end} on {library.base}", flush=True)
+            records.append(sweep_library(library, arch, store, args))
+    if not records:
+        raise UsageError(f"no history maps in {args.maps} to draw (run `backtest` without --render-only first)")
+    ledger = Ledger()
+    for record in records:  # each library's own map, judged again under this ledger
+        history.render(record, map_path(args.maps, record["sweep"]["package"]))
+    results.write_json(output, page_record(records, ledger))
+    output.with_suffix(".md").write_text(render_markdown(records, ledger, arch))
+    opened = sum(g["cells"] for record in records for g in dispositions(record, ledger) if g["open"])
+    print(f"wrote {output} and {output.with_suffix('.md')}: {len(records)} libraries, {opened} cells open")
+    if opened:
+        print(f"stackcheck: {opened} cells are open (new_failure, error or fixed no ledger entry explains): see the page", file=sys.stderr)
+    return 1 if opened else 0
+
+
