@@ -148,6 +148,52 @@ def with_section(text: str, section: str) -> str:
     return f"{head}{SECTION_BEGIN}\n{section}\n{SECTION_END}{tail}"
 
 
+def findings_page(docs: Path = DOCS) -> str:
+    """The ledger's bugs found here and filed nowhere upstream yet (`reported = false`), each with where the committed
+    backtest (docs/backtest.json) reaches it, its repro command and a ready-to-file issue text."""
+    import json
+
+    ledger = Ledger()
+    backtest = docs / "backtest.json"
+    shows: dict[str, list[dict]] = {}
+    if backtest.is_file():
+        for library in json.loads(backtest.read_text())["libraries"]:
+            for group in library["dispositions"]:
+                if group["verdict"] == "known_bug" and group.get("bug"):
+                    shows.setdefault(group["bug"], []).append({**group, "library": library["sweep"]["package"]})
+    unreported = [bug for bug in ledger.bugs.values() if not bug.reported]
+    lines = [GENERATED.format(source="stackcheck/ledger.toml's bugs marked `reported = false`, and docs/backtest.json"), "",
+             "# Findings nobody has reported upstream", "",
+             f"{len(unreported)} bugs of the ledger were found by stackcheck and are filed nowhere upstream yet. Each has the "
+             "command that reproduces it (`repro` writes a standalone script, its output and an issue.md) and an issue text "
+             "ready to file. When one is filed, its entry gets the link and loses `reported = false`.", ""]
+    for bug in unreported:
+        families = ", ".join(f"`{f}`" for f in ledger.families_of(bug)) or "none"
+        where = shows.get(bug.id, [])
+        lines += [f"## `{bug.id}`", "", bug.summary, "",
+                  f"- Affected: {bug.describe_range()}" + "".join(f"; `{bound}` {proof.state}" for bound, proof in bug.bounds.items()),
+                  f"- Families: {families}" + (f"; architectures: {', '.join(bug.architectures)}" if bug.architectures else "")]
+        for group in where[:3]:
+            lines.append(f"- In the backtest: {group['library']} {group['span']}, {group['cells']} cells of `{group['family']}`")
+        if where:
+            first = where[0]
+            base, _, pin = first["set"].partition("+")
+            repro = f"python -m stackcheck repro --sets {base}" + (f" --with {pin}" if pin else "") + f" --test '{first['test']}'"
+        else:
+            repro = f"python -m stackcheck matrix --families {ledger.families_of(bug)[0] if ledger.families_of(bug) else '?'}"
+        lines += [f"- Reproduce: `{repro}`", "", "<details><summary>Issue text</summary>", "",
+                  f"**{bug.summary.split('. ')[0].rstrip('.')}**", "",
+                  f"Versions affected (measured with released wheels where the bounds say so): {bug.describe_range()}.", "",
+                  f"What happens: `{bug.signature.exception}` matching `{bug.signature.message}`"
+                  + (f", raised in `{', '.join(bug.signature.frames)}`" if bug.signature.frames else "") + ".", "",
+                  (f"Reproduction: `{repro}` writes a standalone script (tiny random model from a config, no download) and "
+                   "its output." if where else f"Reproduction: `{repro}` runs its family's cells on the default set."), ""]
+        if bug.workaround:
+            lines += [f"Workaround: {bug.workaround}", ""]
+        lines += [f"Context: {bug.upstream_status}", "", "</details>", ""]
+    return "\n".join(lines)
+
+
 def pages(parser: argparse.ArgumentParser, docs: Path = DOCS) -> dict[str, str]:
     """{page under docs/: its text as generated now}; `parser` is the CLI's (stackcheck.cli hands it over). A page with
     a generated section (architectures.md) is the committed page in `docs` with that section generated."""
@@ -155,6 +201,7 @@ def pages(parser: argparse.ArgumentParser, docs: Path = DOCS) -> dict[str, str]:
     arch_page = (committed if committed.is_file() else DOCS / "architectures.md").read_text()
     return {"commands.md": commands_page(parser), "families.md": families_page(), "exit-codes.md": exitcodes.markdown(),
             "architectures.md": with_section(arch_page, architectures_section()), "axes.md": axes_page(),
+            "findings.md": findings_page(docs),
             "variables.md": GENERATED.format(source="stackcheck/core/protocol.py's VARIABLES") + "\n\n" + protocol.variables_page()}
 
 

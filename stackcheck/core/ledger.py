@@ -151,6 +151,7 @@ class Bug:
     # it lives.
     expected_on: tuple[str, ...] = ()
     bounds: dict[str, Bound] = field(default_factory=dict)  # by bound_key: the evidence of each bound of `affected`
+    reported: bool = True  # False: found here and filed nowhere upstream yet (docs/findings.md lists it, with its issue text)
 
     @property
     def silent(self) -> bool:
@@ -352,7 +353,8 @@ def _keys(entry: Any, where: str, required: set[str], optional: AbstractSet[str]
 def _parse_bug(bug_id: str, entry: Any, packages: tuple[str, ...]) -> Bug:
     where = f"bugs.{bug_id}"
     _keys(entry, where, {"summary", "links", "upstream_status", "affected", "signature"},
-          {"cpu_flag", "architectures", "workaround", "expected_on", "bounds"})
+          {"cpu_flag", "architectures", "workaround", "expected_on", "bounds", "reported"})
+    _require(isinstance(entry.get("reported", True), bool), where, "reported must be true or false")
     architectures, expected_on = entry.get("architectures", []), entry.get("expected_on", [])
     for key, value in (("architectures", architectures), ("expected_on", expected_on)):
         _require(isinstance(value, list) and all(isinstance(x, str) for x in value), where,
@@ -390,7 +392,8 @@ def _parse_bug(bug_id: str, entry: Any, packages: tuple[str, ...]) -> Bug:
     signature = Signature(sig["exception"], sig["message"], tuple(frames), band, tuple(modules))
     bounds = _parse_bounds(where, entry.get("bounds", {}), affected)
     return Bug(bug_id, entry["summary"], tuple(entry["links"]), entry["upstream_status"], affected, signature,
-               entry.get("cpu_flag"), tuple(architectures), entry.get("workaround"), tuple(expected_on), bounds)
+               entry.get("cpu_flag"), tuple(architectures), entry.get("workaround"), tuple(expected_on), bounds,
+               entry.get("reported", True))
 
 
 def bound_key(package: str, spec: Specifier) -> str:

@@ -39,9 +39,11 @@ class Library:
     base: str
     families: tuple[str, ...] | None  # None: every family
     variables: tuple[tuple[str, str], ...] = ()  # STACKCHECK_ variables of its probes
+    leave_out: tuple[str, ...] = ()  # families of "all" this sweep leaves out (the plan says why)
 
     def family_list(self) -> list[str]:
-        return list(self.families) if self.families is not None else family_modules()
+        chosen = list(self.families) if self.families is not None else family_modules()
+        return [f for f in chosen if f not in self.leave_out]
 
 
 def load_plan(path: Path = PLAN) -> tuple[list[Library], list[str]]:
@@ -59,7 +61,8 @@ def load_plan(path: Path = PLAN) -> tuple[list[Library], list[str]]:
         if not all(key.startswith("STACKCHECK_") for key in variables):
             raise UsageError(f"backtest plan: {name}.variables may set STACKCHECK_ variables alone")
         libraries.append(Library(name, entry["from"], entry["to"], entry.get("base", "seed"),
-                                 None if families == "all" else tuple(families), tuple(sorted(variables.items()))))
+                                 None if families == "all" else tuple(families), tuple(sorted(variables.items())),
+                                 tuple(entry.get("leave_out", ()))))
     return libraries, list(data.get("arch", []))
 
 
@@ -225,7 +228,8 @@ def page_record(records: list[dict], ledger: Ledger) -> dict:
     """The backtest as JSON: per library its sweep, each family's runs and the dispositions (cells dropped)."""
     out = []
     for record in records:
-        groups = [{k: v for k, v in g.items() if k != "example"} for g in dispositions(record, ledger)]
+        groups = [{**{k: v for k, v in g.items() if k != "example"}, "test": g["example"].test, "set": g["example"].set_name}
+                  for g in dispositions(record, ledger)]
         out.append({"sweep": record["sweep"], "releases": [r["release"] for r in record["releases"]],
                     "probed": [r["release"] for r in record["releases"] if r["probe"]],
                     "families": dict(family_spans(record, ledger)), "dispositions": groups})
