@@ -175,7 +175,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="{library: [releases]} to sweep instead of the package index's (an offline host)")
     back.add_argument("--find-links", action="append", default=[], metavar="DIR", help="extra wheel folder")
     back.add_argument("--no-index", action="store_true", help="install only from --find-links folders")
-    back.add_argument("--gpu", action="store_true", help="both lanes, on a GPU host (default: the CPU lane)")
+    back.add_argument("--lanes", help="cpu (the default), gpu (on a GPU host), or gpu,cpu; each lane set has its own map")
     back.add_argument("--jobs", type=int, help="probes run side by side (default: one per core)")
     back.add_argument("--store", type=absolute_path, help=STORE_HELP)
     back.add_argument("--arch", action=inputs.ListOption, help=ARCH_HELP.replace("Default: every built-in one", "Default: the plan's"))

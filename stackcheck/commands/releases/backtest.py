@@ -66,15 +66,25 @@ def load_plan(path: Path = PLAN) -> tuple[list[Library], list[str]]:
     return libraries, list(data.get("arch", []))
 
 
-def map_path(folder: Path, library: str) -> Path:
-    return folder / f"history-{library}.json"
+def map_path(folder: Path, library: str, lanes: tuple[str, ...] = ("cpu",)) -> Path:
+    """A library's map: history-<library>.json for the CPU lane (history's own name), history-<library>-gpu.json for
+    the GPU lane alone, history-<library>-gpu-cpu.json for both."""
+    return folder / (f"history-{library}.json" if lanes == ("cpu",) else f"history-{library}-{'-'.join(lanes)}.json")
+
+
+def lanes_of(text: str | None) -> tuple[str, ...]:
+    """--lanes: `cpu` (the default), `gpu`, or both, in the order gpu, cpu."""
+    chosen = set((text or "cpu").split(","))
+    if not chosen <= {"gpu", "cpu"}:
+        raise UsageError(f"--lanes {text}: name gpu, cpu or both")
+    return tuple(lane_name for lane_name in ("gpu", "cpu") if lane_name in chosen)
 
 
 def sweep_library(library: Library, arch: str | None, store: ProbeStore, args) -> dict:
     """Run (or take from the store) every release of `library` and write its history map beside the output."""
     families = library.family_list()
     lane.family_targets(families)  # an unknown family is a usage error
-    lanes = ("gpu", "cpu") if args.gpu else ("cpu",)
+    lanes = lanes_of(args.lanes)
     listed = [str(v) for v in watch.releases_from(args.releases)(library.name)] if args.releases else None
     releases = history.releases_in_range(library.name, library.start, library.end, ",".join(listed) if listed else None)
     jobs = args.jobs or history.default_jobs()
@@ -88,7 +98,7 @@ def sweep_library(library: Library, arch: str | None, store: ProbeStore, args) -
     rows = history.sweep_releases(prober, sets, families, jobs)
     sweep["seconds"] = round(time.monotonic() - started, 1)
     record = history.map_record(sweep, rows)
-    results.write_json(map_path(args.maps, library.name), record)  # at once: a later library's crash keeps it
+    results.write_json(map_path(args.maps, library.name, lanes), record)  # at once: a later library's crash keeps it
     return record
 
 
@@ -253,9 +263,10 @@ def run(args) -> int:
         raise UsageError(f"--jobs {args.jobs}: at least one probe must run")
     if args.render_only:
         for library in libraries:
-            path = map_path(args.maps, library.name)
-            if path.exists():
-                records.append(results.read_checked_json(path, history._map_problem, "history map"))
+            for lanes in (("cpu",), ("gpu",), ("gpu", "cpu")):
+                path = map_path(args.maps, library.name, lanes)
+                if path.exists():
+                    records.append(results.read_checked_json(path, history._map_problem, "history map"))
     else:
         lane.check_ledger()
         store = ProbeStore(args.store or DEFAULT_STORE)
@@ -266,7 +277,7 @@ def run(args) -> int:
         raise UsageError(f"no history maps in {args.maps} to draw (run `backtest` without --render-only first)")
     ledger = Ledger()
     for record in records:  # each library's own map, judged again under this ledger
-        history.render(record, map_path(args.maps, record["sweep"]["package"]))
+        history.render(record, map_path(args.maps, record["sweep"]["package"], tuple(record["sweep"]["lanes"])))
     results.write_json(output, page_record(records, ledger))
     output.with_suffix(".md").write_text(render_markdown(records, ledger, arch))
     opened = sum(g["cells"] for record in records for g in dispositions(record, ledger) if g["open"])
