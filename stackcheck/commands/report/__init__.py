@@ -236,7 +236,11 @@ def history_model(name: str, record: dict) -> dict:
     labels = [label for label, _ in rows]
     bugs = [{"id": bug, "states": mine, **bug_history(mine, labels)} for bug, mine in states.items()]
     bugs.sort(key=lambda bug: bug["first_bad"] is None)  # the bugs that show in the range first, in the ledger's order
-    return {"name": name, "id": slug(name), "sweep": sweep, "labels": labels, "bugs": bugs}
+    # Each family's worst verdict per release (None: not probed, or no cell of it): the map the backtest draws.
+    worst = [{family: min((c.verdict for c in probe.cells if c.family == family), key=SEVERITY.index, default=None)
+              for family in sweep["families"]} if probe else {} for _label, probe in rows]
+    families = [{"id": family, "verdicts": [w.get(family) for w in worst]} for family in sweep["families"]]
+    return {"name": name, "id": slug(name), "sweep": sweep, "labels": labels, "bugs": bugs, "families": families}
 
 
 def version_choices(set_versions: dict[str, dict[str, str]]) -> dict[str, list[str]]:
@@ -288,6 +292,29 @@ def history_figure(model: dict) -> str:
     figure.update_layout(height=max(260, 26 * len(bugs) + 170), margin={"l": 10, "r": 10, "t": 10, "b": 10},
                          template="plotly_white")
     return figure.to_html(full_html=False, include_plotlyjs=False, div_id=f"heat-{model['id']}",
+                          config={"responsive": True, "displaylogo": False})
+
+
+def family_figure(model: dict) -> str:
+    """The sweep's family map: one row per family, one column per release, coloured by the worst verdict of the
+    family's cells there (the page's verdict colours)."""
+    import plotly.graph_objects as go
+
+    verdicts = [v for v in PAGE_VERDICTS if v != NOT_RUN]
+    codes = {verdict: index for index, verdict in enumerate(verdicts)}
+    n = len(verdicts)
+    scale = [[edge, VERDICT_COLOURS[v]] for index, v in enumerate(verdicts) for edge in (index / n, (index + 1) / n)]
+    rows = list(reversed(model["families"]))
+    figure = go.Figure(go.Heatmap(
+        z=[[codes[v] if v else None for v in row["verdicts"]] for row in rows], x=model["labels"], y=[row["id"] for row in rows],
+        text=[[v or "no cell" for v in row["verdicts"]] for row in rows], zmin=-0.5, zmax=n - 0.5, colorscale=scale, xgap=1, ygap=1,
+        hovertemplate="%{y}<br>" + model["sweep"]["package"] + " %{x}: %{text}<extra></extra>",
+        colorbar={"tickvals": list(range(n)), "ticktext": verdicts, "title": {"text": "worst verdict"}},
+    ))
+    figure.update_xaxes(type="category", title=model["sweep"]["package"], tickangle=-60)
+    figure.update_yaxes(type="category", automargin=True)
+    figure.update_layout(height=max(260, 18 * len(rows) + 170), margin={"l": 10, "r": 10, "t": 10, "b": 10}, template="plotly_white")
+    return figure.to_html(full_html=False, include_plotlyjs=False, div_id=f"families-{model['id']}",
                           config={"responsive": True, "displaylogo": False})
 
 
@@ -349,6 +376,7 @@ def render(matrix: dict, sweeps: list[tuple[str, dict]], bench: dict[str, dict],
     histories = [history_model(name, record) for name, record in sweeps]
     for model in histories:
         model["figure"], model["width"] = history_figure(model), history_width(model)
+        model["family_figure"] = family_figure(model)
     plots = bench_figures(bench) if bench else []
     bug_ids = {bug for square in grid["squares"].values() for bug in square["bugs"]}
     bug_ids |= {bug["id"] for model in histories for bug in model["bugs"]}
