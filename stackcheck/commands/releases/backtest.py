@@ -40,6 +40,7 @@ class Library:
     families: tuple[str, ...] | None  # None: every family
     variables: tuple[tuple[str, str], ...] = ()  # STACKCHECK_ variables of its probes
     leave_out: tuple[str, ...] = ()  # families of "all" this sweep leaves out (the plan says why)
+    only: tuple[str, ...] = ()  # the releases of the range it sweeps, where not every one (the plan says why)
 
     def family_list(self) -> list[str]:
         chosen = list(self.families) if self.families is not None else family_modules()
@@ -62,7 +63,7 @@ def load_plan(path: Path = PLAN) -> tuple[list[Library], list[str]]:
             raise UsageError(f"backtest plan: {name}.variables may set STACKCHECK_ variables alone")
         libraries.append(Library(name, entry["from"], entry["to"], entry.get("base", "seed"),
                                  None if families == "all" else tuple(families), tuple(sorted(variables.items())),
-                                 tuple(entry.get("leave_out", ()))))
+                                 tuple(entry.get("leave_out", ())), tuple(entry.get("only", ()))))
     return libraries, list(data.get("arch", []))
 
 
@@ -86,6 +87,8 @@ def sweep_library(library: Library, arch: str | None, store: ProbeStore, args) -
     lane.family_targets(families)  # an unknown family is a usage error
     lanes = lanes_of(args.lanes)
     listed = [str(v) for v in watch.releases_from(args.releases)(library.name)] if args.releases else None
+    if library.only:
+        listed = [v for v in listed or library.only if v in library.only]
     releases = history.releases_in_range(library.name, library.start, library.end, ",".join(listed) if listed else None)
     jobs = args.jobs or history.default_jobs()
     threads = max(1, (os.cpu_count() or 1) // jobs)
