@@ -505,6 +505,11 @@ class Ledger:
             # The release under test predates the API the family drives (proof.require_api): nothing to judge.
             return Judgement(NOT_AFFECTED, None, signature, failure.message.removeprefix("scenario not reached: "))
         if failure.not_reached:
+            # A known bug that keeps the scenario from being reached (its whole signature, in its range, on an
+            # architecture it lives on) is that bug: the cell says why, and says nothing of the family's own property.
+            for bug in [*candidates, *(b for b in self.bugs.values() if b not in candidates)]:
+                if bug.lives_on(model_type) and bug.affects(versions) and bug.signature.matches(failure):
+                    return Judgement(KNOWN_BUG, bug.id, signature, "its scenario was not reached because of this bug", list(bug.links))
             # A test no bug applies to (a control) stands or falls with its family's scenario.
             pool = candidates or [bug for bug, _patterns in self.families[family].bugs]
             if pool and all(bug.predates(versions) for bug in pool):

@@ -47,6 +47,10 @@ def reference_gradients(model, mixed: scenario.MixedPrecision, batch) -> dict[st
 
 
 def assert_checkpointing_keeps_gradients(reference: dict, measured: dict) -> None:
+    # Without checkpointing every LoRA tensor a text batch reaches gets a gradient too (the towers' by design do not).
+    dead = [name for name in scenario.grads_missing(reference) if not any(tower in name for tower in ("vision_tower", "audio_tower"))]
+    assert not dead, f"{len(dead)} of {len(reference)} LoRA tensors got no finite non-zero gradient: {dead[:3]}"
+    reference = {name: g for name, g in reference.items() if g is not None}
     errors = {name: scenario.relative_error(measured[name], g) for name, g in reference.items()}
     wrong = [name for name, error in errors.items() if not error <= GRADIENT_TOLERANCE]
     scenario.assert_within(f"LoRA gradients with checkpointing diverge from those without ({len(wrong)} of "
