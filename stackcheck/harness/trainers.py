@@ -167,9 +167,9 @@ def _config(kind: str, output_dir, device: torch.device, dtype: torch.dtype, ste
     """The trainer's config class of the installed release, as the one-device QLoRA user sets it: `bf16` or `fp16`
     (trl defaults `bf16` to True unless `fp16` is set: both are given), `steps` steps, a loss logged at each, lr 1e-2,
     no save, the rest at the release's defaults (gradient checkpointing on: trl's own default). Only fields that every
-    release from 0.24.0 to 1.16.0 has are set (read in their wheels): SFT's and DPO's `max_length`, GRPO's
-    `num_generations`, `max_completion_length` and `use_vllm` (False: generation is the trainer's in-process
-    `generate()`)."""
+    release from 0.24.0 to 1.16.0 has are set (read in the 0.24.0, 0.28.0, 0.29.x and 1.16.0 wheels): SFT's and DPO's
+    `max_length`, GRPO's `num_generations`, `max_completion_length` and `use_vllm` (False: generation is the trainer's
+    in-process `generate()`). What the releases differ in: docs/family-notes.md#trl_step."""
     import trl
 
     from stackcheck.harness.trainer import one_device

@@ -3,7 +3,8 @@ tensor gets a gradient and moves, the loss is finite, and the 4-bit base stays b
 
 Each trainer is driven through the installed trl release's own API (0.24.0, the oldest release usable with
 transformers 5, to 1.16.0): `peft_config` on an NF4 base loaded in the run's precision, GRPO with its in-process
-`generate()` (no vLLM, no server). A release without the trainer reads `not_affected`.
+`generate()` (no vLLM, no server). A release without the trainer reads `not_affected`; below 0.29.0 DPO and GRPO
+meet the ledger's trl bugs on transformers 5.
 
 Precondition proven: the base is NF4 with nested quant state, the trainer put LoRA on 4-bit layers, the steps ran
 (and at least two were taken: fp16's scaler may skip one), and every training forward of a LoRA layer ran under
