@@ -1,6 +1,8 @@
-"""Trainers: what users run over the libraries, trl's SFTTrainer and GRPOTrainer, on the tiny models with no network:
-a word-level tokenizer built in memory over the tiny vocabulary (and, for an image model, its processor), datasets
-built with `datasets.Dataset.from_dict`, and the weight sync that GRPO runs before each generation with vLLM."""
+"""Trainers: what users run over the libraries, trl's SFTTrainer, DPOTrainer and GRPOTrainer, on the tiny models with no
+network: a word-level tokenizer built in memory over the tiny vocabulary (and, for an image model, its processor),
+datasets built with `datasets.Dataset.from_dict`, each trainer's QLoRA recipe in the precision asked as the installed
+trl release takes it (`qlora_trainer`), what a step of it used and changed (`StepsSeen`), and the weight sync that GRPO
+runs before each generation with vLLM."""
 
 from __future__ import annotations
 
@@ -132,3 +134,120 @@ def require_trl_sync():
     """trl's VLLMGeneration weight sync, or ApiAbsent on a trl that predates it (0.24.0's GRPOTrainer pushes from its
     own _move_model_to_vllm, straight into a vLLM client: no generator to read the pushed weights from)."""
     require_api("trl", "trl.generation.vllm_generation", "VLLMGeneration._iter_named_params", "GRPO's VLLMGeneration weight sync")
+
+
+# --- One QLoRA step of each trainer, as the installed trl release takes it (docs/family-notes.md#trl_step) ---------
+
+TRAINERS = {"sft": ("SFTTrainer", "SFTConfig"), "dpo": ("DPOTrainer", "DPOConfig"), "grpo": ("GRPOTrainer", "GRPOConfig")}
+GENERATIONS = 2  # GRPO's group: completions per prompt, the per-device batch (one prompt a step)
+COMPLETION_TOKENS = 8  # GRPO's max_completion_length: in-process generate() on the tiny model
+
+
+def require_trainer(kind: str):
+    """trl's trainer class of `kind` (a key of TRAINERS), or ApiAbsent on a trl release without it."""
+    trainer, _config = TRAINERS[kind]
+    return require_api("trl", "trl", trainer, f"trl's {trainer}")
+
+
+def preference_pairs(count: int, length: int, seed: int = 5) -> dict[str, list[str]]:
+    """`count` fixed preference examples in trl's standard (not conversational) form: a prompt of `length` words and a
+    chosen and a rejected completion of `length // 2` words each. trl joins prompt and completion as strings, so each
+    completion begins with the space that separates it from the prompt's last word (as in trl's own datasets)."""
+    prompts, chosen, rejected = (sentences(count, n, seed + i) for i, n in enumerate((length, length // 2, length // 2)))
+    return {"prompt": prompts, "chosen": [" " + text for text in chosen], "rejected": [" " + text for text in rejected]}
+
+
+def completion_reward(completion_ids, **kwargs) -> list[float]:
+    """A GRPO reward function of the completions' token ids alone (their mean id over the vocabulary; 0 for an empty
+    completion): it tells the sampled completions of a group apart, so their advantages are not all zero."""
+    return [sum(ids) / len(ids) / architectures.VOCAB if len(ids) else 0.0 for ids in completion_ids]
+
+
+def _config(kind: str, output_dir, device: torch.device, dtype: torch.dtype, steps: int):
+    """The trainer's config class of the installed release, as the one-device QLoRA user sets it: `bf16` or `fp16`
+    (trl defaults `bf16` to True unless `fp16` is set: both are given), `steps` steps, a loss logged at each, lr 1e-2,
+    no save, the rest at the release's defaults (gradient checkpointing on: trl's own default). Only fields that every
+    release from 0.24.0 to 1.16.0 has are set (read in the 0.24.0, 0.28.0, 0.29.x and 1.16.0 wheels): SFT's and DPO's
+    `max_length`, GRPO's `num_generations`, `max_completion_length` and `use_vllm` (False: generation is the trainer's
+    in-process `generate()`). What the releases differ in: docs/family-notes.md#trl_step."""
+    import trl
+
+    from stackcheck.harness.trainer import one_device
+
+    fields = dict(output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
+                  save_strategy="no", report_to="none", seed=0, use_cpu=device.type == "cpu", dataloader_num_workers=0,
+                  bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+    if kind in ("sft", "dpo"):
+        fields["max_length"] = 64
+    else:
+        fields.update(num_generations=GENERATIONS, max_completion_length=COMPLETION_TOKENS, use_vllm=False)
+    return one_device(getattr(trl, TRAINERS[kind][1])(**fields), device)
+
+
+def qlora_trainer(kind: str, under_test, base, dtype: torch.dtype, output_dir, steps: int):
+    """trl's trainer `kind` over the 4-bit `base` with the LoRA of the architecture's language targets (`peft_config`:
+    the trainer wraps the model itself, as trl's QLoRA recipes do), on a fixed tiny dataset: SFT four sentences, DPO
+    four preference pairs (the reference is the base with the adapter disabled: no `ref_model`), GRPO two prompts and
+    `completion_reward`."""
+    import trl
+    from datasets import Dataset
+
+    from stackcheck.models import tiny
+
+    trainer_class = getattr(trl, TRAINERS[kind][0])
+    args = _config(kind, output_dir, under_test.device, dtype, steps)
+    common = dict(model=base, args=args, processing_class=tokenizer(under_test.arch), peft_config=tiny.lora_config(under_test.arch, "language"))
+    if kind == "sft":
+        return trainer_class(train_dataset=Dataset.from_dict({"text": sentences(4, 12)}), **common)
+    if kind == "dpo":
+        return trainer_class(train_dataset=Dataset.from_dict(preference_pairs(4, 8)), **common)
+    return trainer_class(reward_funcs=[completion_reward], train_dataset=Dataset.from_dict({"prompt": sentences(2, 6, seed=6)}), **common)
+
+
+class StepsSeen:
+    """What the training steps of a Trainer used and changed, read as they ran: at each forward with gradients of a
+    LoRA layer on a 4-bit weight, whether autocast was on and in which dtype, and the dtypes its LoRA branch computed
+    and its 4-bit base layer returned; at each optimizer step, a copy of every LoRA gradient (unscaled and clipped, as
+    the optimizer takes them) and whether accelerate skipped the step (fp16's scaler on inf/NaN gradients)."""
+
+    def __init__(self, trainer, layers: dict[str, torch.nn.Module]):
+        from transformers import TrainerCallback
+
+        self.trainer = trainer
+        self.device_type = next(trainer.model.parameters()).device.type
+        self.forwards: list[tuple[bool, torch.dtype, torch.dtype, torch.dtype]] = []
+        self.grads: list[dict[str, torch.Tensor | None]] = []
+        self.skipped: list[bool] = []
+        self.handles = []
+        for layer in layers.values():
+            self.handles.append(layer.lora_B["default"].register_forward_hook(self._lora_forward))
+            self.handles.append(layer.get_base_layer().register_forward_hook(self._base_forward))
+        seen = self
+
+        class Recorder(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                seen.grads.append({name: None if p.grad is None else p.grad.detach().float().clone()
+                                   for name, p in seen.trainer.model.named_parameters() if "lora_" in name})
+
+            def on_optimizer_step(self, args, state, control, **kwargs):
+                seen.skipped.append(bool(seen.trainer.accelerator.optimizer_step_was_skipped))
+
+        trainer.add_callback(Recorder())
+        self._base_dtype: torch.dtype | None = None
+
+    def _base_forward(self, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            self._base_dtype = output.dtype
+
+    def _lora_forward(self, module, args, output) -> None:
+        if torch.is_grad_enabled() and module.training:
+            self.forwards.append((torch.is_autocast_enabled(self.device_type), torch.get_autocast_dtype(self.device_type),
+                                  output.dtype, self._base_dtype))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    @property
+    def taken(self) -> int:
+        return sum(not skipped for skipped in self.skipped)
