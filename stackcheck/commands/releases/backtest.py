@@ -41,6 +41,7 @@ class Library:
     variables: tuple[tuple[str, str], ...] = ()  # STACKCHECK_ variables of its probes
     leave_out: tuple[str, ...] = ()  # families of "all" this sweep leaves out (the plan says why)
     only: tuple[str, ...] = ()  # the releases of the range it sweeps, where not every one (the plan says why)
+    arch: tuple[str, ...] = ()  # its architectures, where not the plan's
 
     def family_list(self) -> list[str]:
         chosen = list(self.families) if self.families is not None else family_modules()
@@ -63,7 +64,7 @@ def load_plan(path: Path = PLAN) -> tuple[list[Library], list[str]]:
             raise UsageError(f"backtest plan: {name}.variables may set STACKCHECK_ variables alone")
         libraries.append(Library(name, entry["from"], entry["to"], entry.get("base", "seed"),
                                  None if families == "all" else tuple(families), tuple(sorted(variables.items())),
-                                 tuple(entry.get("leave_out", ())), tuple(entry.get("only", ()))))
+                                 tuple(entry.get("leave_out", ())), tuple(entry.get("only", ())), tuple(entry.get("arch", ()))))
     return libraries, list(data.get("arch", []))
 
 
@@ -275,7 +276,7 @@ def run(args) -> int:
         store = ProbeStore(args.store or DEFAULT_STORE)
         for library in libraries:
             print(f"== backtest: {library.name} {library.start}…{library.end} on {library.base}", flush=True)
-            records.append(sweep_library(library, arch, store, args))
+            records.append(sweep_library(library, args.arch or ",".join(library.arch) or arch, store, args))
     if not records:
         raise UsageError(f"no history maps in {args.maps} to draw (run `backtest` without --render-only first)")
     ledger = Ledger()
