@@ -37,6 +37,7 @@ COMMANDS = {
     "report": "One self-contained HTML page from results/ (matrix, history sweeps, bench): `-- [--matrix F] [--output results/report.html]`.",
     "bisect": "First release where a family flips: `-- accelerate --good 1.15.0 --bad 1.13.0 --family params4bit_kwargs`.",
     "history": "Every release of a package through every family: `-- transformers --from 5.6.2 --to 5.23.0`; writes results/history-<package>.{json,md,png}.",
+    "backtest": "Every release of each library in stackcheck/backtest.toml through its families, and the disposition of every cell that does not pass: `-- [--libraries peft] [--render-only]`; writes results/backtest.{json,md}.",
     "watch": "The newest releases gated against `latest`, and each family that flips bisected (the scheduled CI job); writes results/watch/.",
     "gate": "Baseline set vs candidate set: `-- --sets seed --with accelerate==1.14.0`; non-zero on a regression.",
 }
