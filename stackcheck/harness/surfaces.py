@@ -148,6 +148,12 @@ def model_invalid(surface: str, axes: dict[str, dict], model: axis_model.AxisMod
             for c in model.constraints_on(surface) if set(c.when) <= set(axes)]
 
 
+def off_first(axes: dict[str, dict], **values) -> dict:
+    """Of `values` (axis name -> the cell's value), those not their axis's first value: what an explored cell changes
+    of an `axes_explore` axis, which the pairs hold at its first value (stackcheck.child.axes) and a test leaves out."""
+    return {name: value for name, value in values.items() if value != next(iter(axes[name].values()))}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stackcheck.harness.surfaces", description=__doc__.split("\n\n")[0])
     parser.add_argument("--record", metavar="SET", help="write this environment's fields to docs/axes-fields.json under SET")
