@@ -63,11 +63,12 @@ class Target:
         return self.node_id({**{name: values[0] for name, values in self.order.items()}, **dict(zip(self.pairwise, tokens))})
 
 
-def reproducing_line(command: str, vset: VersionSet, overrides: Sequence[str], arch_spec: str | None, cell: Cell, node_id: str) -> str:
-    """The command line that runs the one explored cell `node_id` (a `matrix` run of the node id alone)."""
+def reproducing_line(command: str, vset: VersionSet, overrides: Sequence[str], arch_spec: str | None, config: Config, node_id: str) -> str:
+    """The command line that runs the one explored cell `node_id` of configuration `config` (a `matrix` run of the
+    node id alone, on its architecture where that is a built-in one, else on the run's `--arch`)."""
     base = vset.name.split("+", 1)[0]
-    builtin = cell.arch is not None and cell.arch in architectures.builtin()
-    arch = cell.arch if builtin else arch_spec
+    builtin = config.get("arch") in architectures.builtin()
+    arch = config["arch"] if builtin else arch_spec
     words = ["python", "-m", "stackcheck", command, "--sets", base, *[w for pin in overrides for w in ("--with", pin)],
              *(["--arch", arch] if arch else []), "--", node_id]
     return " ".join(shlex.quote(word) for word in words)
@@ -128,7 +129,7 @@ def shrink_failures(python: Path, vset: VersionSet, ran: list[Cell], options: li
             node = target.node_id(found.config)
             minimal = known[node]
             changed = {name: vid for name, vid in found.config.items() if vid != target.order[name][0]}
-            line = reproducing_line("gpu-matrix" if cell.lane == "gpu" else command, vset, overrides, arch_spec, cell, node)
+            line = reproducing_line("gpu-matrix" if cell.lane == "gpu" else command, vset, overrides, arch_spec, found.config, node)
             record = {"reproduced": True, "asked": found.asked, "config": found.config, "changed": changed, "cell": node,
                       "verdict": minimal.verdict, "bug": minimal.bug, "signature": minimal.signature, "command": line}
             moved = ", ".join(f"{name}={vid.removeprefix(name + '.')}" for name, vid in changed.items()) or "every axis at its first value"

@@ -3,6 +3,7 @@ they sit; the adapter configurations users ship (`ADAPTER_VARIANTS`) and the pla
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +90,9 @@ class AdapterVariant:
     lora_kwargs: tuple[tuple[str, object], ...] = ()
 
     def config(self, under_test: UnderTest, adapter: str = "language", **overrides):
-        return tiny.lora_config(under_test.arch, adapter, **{**dict(self.lora_kwargs), **overrides})
+        """The LoraConfig, with copies of the variant's values: PEFT changes a config's lists in place (under
+        ensure_weight_tying it rewrites `modules_to_save`), and the same value serves every cell of a process."""
+        return tiny.lora_config(under_test.arch, adapter, **copy.deepcopy({**dict(self.lora_kwargs), **overrides}))
 
     @classmethod
     def of(cls, **fields) -> AdapterVariant:
