@@ -122,6 +122,7 @@ def shrink_failures(python: Path, vset: VersionSet, ran: list[Cell], options: li
     updated = []
     for target, found in zip(targets, shrunk):
         cell = target.cell
+        record: dict[str, object]
         if not found.reproduced:
             record = {"reproduced": False, "asked": found.asked}
             print(f"explored {cell.test}: its failure did not come back when run again; not shrunk", flush=True)

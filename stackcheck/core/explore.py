@@ -168,7 +168,7 @@ def drive(shrinks: Sequence[Steps], answer: Callable[[list[Config], list[int]], 
         asked = [(i, config) for i, batch in pending.items() for config in batch]
         answers = answer([config for _, config in asked], [i for i, _ in asked])
         following: dict[int, list[Config]] = {}
-        for i, batch in pending.items():
+        for i in pending:
             mine = [fails for (j, _), fails in zip(asked, answers) if j == i]
             try:
                 following[i] = shrinks[i].send(mine)

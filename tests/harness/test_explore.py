@@ -3,9 +3,12 @@ combination; shrinking moves a failing configuration's axes toward their first v
 ends at a configuration no single move toward simpler values still fails in."""
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 
+from stackcheck import REPO_ROOT
 from stackcheck.child import axes
 from stackcheck.core import explore
 
@@ -145,3 +148,30 @@ def test_the_product_is_every_cell_once():
     every = explore.sample(AXES, covered(), 10_000, seed=0, invalid=INVALID)
     product = [c for c in itertools.product(*AXES.values()) if not explore.refused(dict(zip(AXES, c)), INVALID)]
     assert sorted(every) == sorted(set(product) - set(covered()))
+
+
+# --- the pytest child: explored cells beside the pairs -------------------------------------------------------------
+
+CONFIGS = "tests/contract/adapt/test_adapter_configs.py"
+TEST = f"{CONFIGS}::test_adapter_config_trains_saves_and_reloads"
+
+
+def collected(*args: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          "--stackcheck-arch=llama3,qwen3moe", "--stackcheck-lanes=cpu", *args],
+                         cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if "::" in line]
+
+
+def test_explore_adds_cells_beside_the_pairs_and_a_named_explored_cell_is_collected():
+    pairs = collected(CONFIGS)
+    assert pairs and not [nodeid for nodeid in pairs if nodeid.endswith("-explored]")]
+    explored = collected(CONFIGS, "--stackcheck-explore=5", "--stackcheck-seed=3")
+    assert explored[:len(pairs)] == pairs  # the pairs' cells, ids and order, as without --stackcheck-explore
+    new = explored[len(pairs):]
+    assert len(new) == 5 and all(nodeid.endswith("-explored]") for nodeid in new)
+    assert collected(CONFIGS, "--stackcheck-explore=5", "--stackcheck-seed=3") == explored  # another process, the same draw
+    # A configuration the seed did not draw, named by its node id: collected alone (a shrink step, a reproducing line).
+    named = (f"{TEST}[cpu-qwen3moe-use_dora.false-use_rslora.false-modules_to_save.default-lora_bias.false-nf4-r.16-lora_dropout.0.0-"
+             "bias.none-ensure_weight_tying.false-trainable_token_indices.default-explored]")
+    assert named not in new and collected(named) == [named]
