@@ -175,3 +175,26 @@ def test_explore_adds_cells_beside_the_pairs_and_a_named_explored_cell_is_collec
     named = (f"{TEST}[cpu-qwen3moe-use_dora.false-use_rslora.false-modules_to_save.default-lora_bias.false-nf4-r.16-lora_dropout.0.0-"
              "bias.none-ensure_weight_tying.false-trainable_token_indices.default-explored]")
     assert named not in new and collected(named) == [named]
+
+
+def test_the_command_side_reads_a_pairs_cell_as_the_explored_configuration_it_equals():
+    from stackcheck.commands import explore as explore_command
+    from stackcheck.core.cell import Cell
+    from stackcheck.core.versions import resolve
+
+    order = {name: values for name, values in AXES.items()}
+    config = dict(zip(AXES, ("qwen3moe", "dora.true", "bias.false", "bf16", "r.16", "dropout.0.0", "tokens.three")))
+    record = {"seed": 1, "config": config, "axes": [[name, values] for name, values in order.items()], "pairwise": PAIRWISE,
+              "invalid": INVALID}
+    failing = Cell("latest", "x", f"tests/contract/p/test_x.py::test_x[cpu-{explore.cell_id(tuple(config.values()))}]", "cpu",
+                   "new_failure", "qwen3moe", "ValueError: x @ a.py:f", extra={explore.EXPLORED_KEY: record})
+    target = explore_command.Target.of(failing)
+    assert target.node_id(config) == failing.test
+    pair = Cell("latest", "x", "tests/contract/p/test_x.py::test_x[cpu-llama3-dora.false-bias.true-nf4]", "cpu", "pass", "llama3")
+    held = {"r": "r.4", "dropout": "dropout.0.0", "tokens": "tokens.default"}
+    assert target.as_explored(pair) == target.node_id({"arch": "llama3", "dora": "dora.false", "bias": "bias.true", "quant": "nf4", **held})
+    assert target.as_explored(pair.replace(lane="gpu", test=pair.test.replace("[cpu", "[gpu"))) is None
+    (vset,) = resolve(["latest"], ["peft==0.21.2"])
+    line = explore_command.reproducing_line("matrix", vset, ["peft==0.21.2"], None, config, failing.test)
+    assert line == ("python -m stackcheck matrix --sets latest --with peft==0.21.2 --arch qwen3moe -- "
+                    f"'{failing.test}'")
