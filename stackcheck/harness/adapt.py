@@ -99,12 +99,14 @@ class AdapterVariant:
         """The variant of LoraConfig field values (the axis model's: `axis_model.DEFAULT` and False leave a field
         out), named as ADAPTER_VARIANTS names it where it is one of them (`lora` when nothing is set), so the merge
         contract finds the adapter this one trained."""
-        from stackcheck.core.axis_model import DEFAULT
-
-        kwargs = tuple((name, value) for name, value in fields.items() if value is not False and value != DEFAULT)
+        kwargs = tuple((name, value) for name, value in fields.items() if value is not False and value != LEFT_OUT)
         known = next((name for name, variant in ADAPTER_VARIANTS.items() if variant.lora_kwargs == kwargs), None)
         return cls(known or "+".join(f"{name}={value}" for name, value in kwargs), kwargs)
 
+
+# axis_model.DEFAULT (an axis value that leaves its field out), spelled here so that the standalone repro.py cut from
+# these helpers needs no stackcheck import (tests/harness/test_explore.py checks the two agree).
+LEFT_OUT = "<default>"
 
 # The head and the input embeddings trained as full copies, by the names users write.
 MODULES_TO_SAVE = ("lm_head", "embed_tokens")

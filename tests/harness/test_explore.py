@@ -198,3 +198,12 @@ def test_the_command_side_reads_a_pairs_cell_as_the_explored_configuration_it_eq
     line = explore_command.reproducing_line("matrix", vset, ["peft==0.21.2"], None, config, failing.test)
     assert line == ("python -m stackcheck matrix --sets latest --with peft==0.21.2 --arch qwen3moe -- "
                     f"'{failing.test}'")
+
+
+def test_the_harness_spells_the_left_out_value_as_the_axis_model_does():
+    from stackcheck.core import axis_model
+    from stackcheck.harness import adapt, surfaces
+
+    assert adapt.LEFT_OUT == axis_model.DEFAULT
+    explored = surfaces.explore_axes("lora", "r", "lora_dropout")
+    assert explored["r"] == {"r.4": axis_model.DEFAULT, "r.16": 16} and list(explored["lora_dropout"].values())[0] == axis_model.DEFAULT
