@@ -10,14 +10,15 @@ import dataclasses
 
 import pytest
 
-from stackcheck.child import axes, keys
+from stackcheck.child import keys
 from stackcheck.core.cell import Cell, detail_of, lane_of
-from stackcheck.core.explore import EXPLORED_KEY
 from stackcheck.core.ledger import ERROR, FIXED, KNOWN_BUG, NEW_FAILURE, NOT_AFFECTED, NOT_APPLICABLE, SKIPPED, Failure, Judgement, LedgerError, family_modules
 from stackcheck.core.results import family_of
 from stackcheck.distributed.cells import POOL_GROUP, RANKS, pool_group
 from stackcheck.distributed.outcome import RanksFailed, judge_ranks
 from stackcheck.models import architectures
+from stackcheck.child.axes import explored_record
+from stackcheck.core.explore import EXPLORED_KEY
 from stackcheck.models.tiny import FixtureError, NotApplicable
 from stackcheck.process import resume as resume_process
 
@@ -72,7 +73,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     cell = Cell.judged(item.config.stash[keys.SET].name, family, item.nodeid, item.config.stash[keys.ARCH_NAMES], judgement)
     if judgement.verdict in (NEW_FAILURE, ERROR) and call.excinfo is not None:  # kept for whoever researches it
         cell = cell.replace(detail=detail_of(str(call.excinfo.value)))
-    if (explored := axes.explored_record(item)) is not None:  # an explored cell keeps its configuration (the command side shrinks it)
+    if (explored := explored_record(item)) is not None:  # an explored cell keeps its configuration (the command side shrinks it)
         cell = cell.replace(extra={**cell.extra, EXPLORED_KEY: explored})
     if RANKS in item.stash:  # a distributed job's cell records every rank
         cell = cell.replace(ranks=item.stash.get(keys.RANK_RECORDS, None) or judge_ranks(item.stash[RANKS], None)[1])
