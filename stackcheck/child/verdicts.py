@@ -17,10 +17,10 @@ from stackcheck.core.results import family_of
 from stackcheck.distributed.cells import POOL_GROUP, RANKS, pool_group
 from stackcheck.distributed.outcome import RanksFailed, judge_ranks
 from stackcheck.models import architectures
-from stackcheck.child.axes import explored_record
-from stackcheck.core.explore import EXPLORED_KEY
 from stackcheck.models.tiny import FixtureError, NotApplicable
 from stackcheck.process import resume as resume_process
+from stackcheck.child.axes import explored_record  # explore mode: an explored cell's record
+from stackcheck.core.explore import EXPLORED_KEY
 
 
 @pytest.hookimpl(tryfirst=True)  # before -k/-m deselect: the ledger is checked against everything collected
