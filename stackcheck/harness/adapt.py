@@ -105,7 +105,7 @@ class AdapterVariant:
 
 
 # axis_model.DEFAULT (an axis value that leaves its field out), spelled here so that the standalone repro.py cut from
-# these helpers needs no stackcheck import (tests/harness/test_explore.py checks the two agree).
+# this module needs no stackcheck import (tests/harness/test_explore.py checks the two agree).
 LEFT_OUT = "<default>"
 
 # The head and the input embeddings trained as full copies, by the names users write.
