@@ -97,7 +97,13 @@ def _parser() -> argparse.ArgumentParser:
         matrix.add_argument("--families", action=inputs.ListOption, help="comma-separated families (default: all)")
         matrix.add_argument("--results", type=absolute_path, default=DEFAULT_RESULTS, help="matrix.json to write")
         matrix.add_argument("--fail-on", metavar="OUTCOMES", help=exitcodes.FAIL_ON_HELP.format(default=",".join(exitcodes.TEST_FAIL_ON)))
-        matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
+        matrix.add_argument("--explore", type=int, metavar="N",
+                            help="also N configurations of each contract test's axes beyond its pairwise cover, sampled from "
+                                 "--seed (cell ids end in -explored); each one that fails is shrunk to a minimal configuration "
+                                 "by running the test again, recorded on its cell and printed with the line that reproduces it")
+        matrix.add_argument("--seed", type=int, metavar="S", help="the seed --explore samples from (default: 0)")
+        matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --; tests named there (a cell's node "
+                                                           "id) run alone, not with their whole families")
 
     tests = commands.add_parser("tests", help="the harness's own tests plus the CPU lane on one set (one launch per two-rank cell; "
                                                  "STACKCHECK_RANK_POOL=1: warm rank pools and resume process)")

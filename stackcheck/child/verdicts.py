@@ -17,6 +17,8 @@ from stackcheck.distributed.outcome import RanksFailed, judge_ranks
 from stackcheck.models import architectures
 from stackcheck.models.tiny import FixtureError, NotApplicable
 from stackcheck.process import resume as resume_process
+from stackcheck.child.axes import explored_record  # explore mode: an explored cell's record
+from stackcheck.core.explore import EXPLORED_KEY
 
 
 @pytest.hookimpl(tryfirst=True)  # before -k/-m deselect: the ledger is checked against everything collected
@@ -70,6 +72,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     cell = cell.replace(evidence=found)
     if judgement.verdict in (NEW_FAILURE, ERROR) and call.excinfo is not None:  # kept for whoever researches it
         cell = cell.replace(detail=detail_of(str(call.excinfo.value)))
+    if (explored := explored_record(item)) is not None:  # an explored cell keeps its configuration (the command side shrinks it)
+        cell = cell.replace(extra={**cell.extra, EXPLORED_KEY: explored})
     if RANKS in item.stash:  # a distributed job's cell records every rank
         cell = cell.replace(ranks=item.stash.get(keys.RANK_RECORDS, None) or judge_ranks(item.stash[RANKS], None)[1])
     report.user_properties.append((keys.CELL_KEY, cell.to_dict()))  # plain data: xdist sends it from the worker

@@ -8,11 +8,12 @@ import sys
 import time
 from collections.abc import Sequence
 
+from stackcheck.commands import explore
 from stackcheck.core import results
 from stackcheck.core.cell import Cell
 from stackcheck.core.ledger import Ledger
 from stackcheck.core.progress import Progress
-from stackcheck.core.protocol import ARCH_OPTION, option
+from stackcheck.core.protocol import ARCH_OPTION, EXPLORE_OPTION, SEED_OPTION, option
 from stackcheck.core.versions import UsageError
 from stackcheck.models import architectures
 from stackcheck.runner import envs, exitcodes
@@ -43,7 +44,10 @@ def run(args) -> int:
     sets = selected_sets(args)
     check_ledger()
     families = args.families.split(",") if args.families else None
+    explore_options = explore_arguments(args)
     targets = family_targets(families)
+    if named_paths(args.pytest_args):  # tests named after `--` (one cell's node id, say) run alone, not with their whole families
+        targets = []
     lanes = ["gpu", "cpu"] if gpu else ["cpu"]
     args.results.parent.mkdir(parents=True, exist_ok=True)
     unusable: dict[str, str] = {}
@@ -57,10 +61,16 @@ def run(args) -> int:
         started, run = time.monotonic(), new_run_id()
         selection = [] if gpu else [CPU_LANE]
         # Every set after the first loads the adapter the first one trained (stackcheck.child.exchange).
-        code = run_pytest(pythons[vset.name], vset, targets, ["-q", *selection, *arch_options(args.arch),
+        code = run_pytest(pythons[vset.name], vset, targets, ["-q", *selection, *arch_options(args.arch), *explore_options,
                                                               *parallel_options(args.pytest_args, pools=pools), *args.pytest_args],
                           args.results, sets[0].name, tracker.env() | pools_env, run=run)
         ran = results.cells_of_run(args.results, vset.name, run)
+        if args.explore and code in (0, 1):  # each explored cell that failed, shrunk by running the test again
+            shrunk = explore.shrink_failures(pythons[vset.name], vset, ran, [*selection, *arch_options(args.arch)], args.command,
+                                             args.overrides, args.arch)
+            if shrunk:
+                results.record_cells(args.results, shrunk)
+                ran = results.cells_of_run(args.results, vset.name, run)
         cells += ran
         tracker.finished(vset.name, len(ran))
         if code == 4:  # pytest's usage error: it printed the reason (a bad pytest argument, or the ledger)
@@ -82,6 +92,20 @@ def run(args) -> int:
         print(f"stackcheck: exit {exitcodes.UNUSABLE}: unusable sets: {', '.join(unusable)} (docs/exit-codes.md)", file=sys.stderr)
         return exitcodes.UNUSABLE
     return code
+
+
+def explore_arguments(args) -> list[str]:
+    """The child's options of `--explore N --seed S` (none without --explore); a count below 1, or a seed without
+    --explore, is a usage error."""
+    if args.explore is None:
+        if args.seed is not None:
+            raise UsageError("--seed S is the seed of --explore N: name --explore too")
+        return []
+    if args.explore < 1:
+        raise UsageError(f"--explore {args.explore}: explore samples N configurations beyond the pairs, N at least 1")
+    if args.seed is not None and args.seed < 0:
+        raise UsageError(f"--seed {args.seed}: a seed is 0 or more")
+    return [option(EXPLORE_OPTION, args.explore), option(SEED_OPTION, args.seed or 0)]
 
 
 def failing_cells(cells: list[Cell], ledger: Ledger, fail_on: tuple[str, ...], incomplete: Sequence[str] = ()) -> int:

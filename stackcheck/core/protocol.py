@@ -22,6 +22,8 @@ ARCH_OPTION = "--stackcheck-arch"  # architectures under test: built-in names, o
 BASELINE_OPTION = "--stackcheck-baseline"  # the set of this run whose trained adapter this set loads
 TIMING_OPTION = "--stackcheck-timing"  # a JSON file the child writes its run's cost split to
 EXHAUSTIVE_OPTION = "--stackcheck-exhaustive"  # every combination of a contract test's axes, not a pairwise cover
+EXPLORE_OPTION = "--stackcheck-explore"  # N configurations of each contract test's axes beyond its pairwise cover
+SEED_OPTION = "--stackcheck-seed"  # the seed EXPLORE_OPTION samples from
 # pytest options of stackcheck.child.bench.
 BENCH_SIZE_OPTION = "--stackcheck-bench-size"
 BENCH_REPEAT_OPTION = "--stackcheck-bench-repeat"

@@ -19,6 +19,7 @@ from pathlib import Path
 from stackcheck import REPO_ROOT
 from stackcheck.core import hostinfo
 from stackcheck.core.cell import KEYS, NOT_RUN, NOT_RUN_NOTE, Cell, arch_of, lane_of  # noqa: F401 - lane_of and arch_of are read from here too
+from stackcheck.core.explore import SHRUNK_KEY
 from stackcheck.core.locking import folder_locked
 from stackcheck.core.ledger import CONTRACT_DIR, FAMILIES_DIR, SEVERITY, SKIPPED, Ledger, Verdict, family_paths
 from stackcheck.core.versions import UsageError, load_sets
@@ -414,9 +415,20 @@ def render_markdown(data: dict, ledger: Ledger | None = None) -> str:
     for c in sorted(every, key=lambda c: (c.set_name, c.family, c.lane, c.test)):
         lines.append(
             f"| {c.set_name} | {c.lane} | {c.arch or '-'} | `{c.test}` | {_word(c.verdict)} | {c.bug or ''} | {_escape(c.signature)} "
-            f"| {_escape(c.note)} | {c.seconds:.1f} |"
+            f"| {_escape('; '.join(filter(None, [c.note, shrunk_note(c)])))} | {c.seconds:.1f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def shrunk_note(cell: Cell) -> str | None:
+    """What shrinking found for an explored cell (explore mode: docs/running.md), in a few words; None for another cell."""
+    shrunk = cell.extra.get(SHRUNK_KEY)
+    if not isinstance(shrunk, dict):
+        return None
+    if not shrunk.get("reproduced"):
+        return "not shrunk: its failure did not come back when run again"
+    changed = ", ".join(f"{name}={str(vid).removeprefix(name + '.')}" for name, vid in shrunk.get("changed", {}).items())
+    return f"shrunk to {changed or 'every axis at its first value'} ({shrunk.get('verdict')}): `{shrunk.get('command')}`"
 
 
 def _word(verdict: str) -> str:

@@ -3,6 +3,7 @@ they sit; the adapter configurations users ship (`ADAPTER_VARIANTS`) and the pla
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,19 +90,23 @@ class AdapterVariant:
     lora_kwargs: tuple[tuple[str, object], ...] = ()
 
     def config(self, under_test: UnderTest, adapter: str = "language", **overrides):
-        return tiny.lora_config(under_test.arch, adapter, **{**dict(self.lora_kwargs), **overrides})
+        """The LoraConfig, with copies of the variant's values: PEFT changes a config's lists in place (under
+        ensure_weight_tying it rewrites `modules_to_save`), and the same value serves every cell of a process."""
+        return tiny.lora_config(under_test.arch, adapter, **copy.deepcopy({**dict(self.lora_kwargs), **overrides}))
 
     @classmethod
     def of(cls, **fields) -> AdapterVariant:
         """The variant of LoraConfig field values (the axis model's: `axis_model.DEFAULT` and False leave a field
         out), named as ADAPTER_VARIANTS names it where it is one of them (`lora` when nothing is set), so the merge
         contract finds the adapter this one trained."""
-        from stackcheck.core.axis_model import DEFAULT
-
-        kwargs = tuple((name, value) for name, value in fields.items() if value is not False and value != DEFAULT)
+        kwargs = tuple((name, value) for name, value in fields.items() if value is not False and value != LEFT_OUT)
         known = next((name for name, variant in ADAPTER_VARIANTS.items() if variant.lora_kwargs == kwargs), None)
         return cls(known or "+".join(f"{name}={value}" for name, value in kwargs), kwargs)
 
+
+# axis_model.DEFAULT (an axis value that leaves its field out), spelled here so that the standalone repro.py cut from
+# this module needs no stackcheck import (tests/harness/test_explore.py checks the two agree).
+LEFT_OUT = "<default>"
 
 # The head and the input embeddings trained as full copies, by the names users write.
 MODULES_TO_SAVE = ("lm_head", "embed_tokens")

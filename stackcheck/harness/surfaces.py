@@ -148,6 +148,16 @@ def model_invalid(surface: str, axes: dict[str, dict], model: axis_model.AxisMod
             for c in model.constraints_on(surface) if set(c.when) <= set(axes)]
 
 
+def explore_axes(surface: str, *names: str, model: axis_model.AxisModel | None = None) -> dict[str, dict]:
+    """Axes of `surface` for `@pytest.mark.axes_explore` (axes only explore mode varies): as `model_axes`, but each
+    axis's first value is `axis_model.DEFAULT`, the field left out. The pairs hold such an axis at its first value, so
+    their configuration is what it was without the axis; that value must be what leaving the field out gives (the
+    library's default, or the adapter fixture's)."""
+    axes = model_axes(surface, *names, model=model)
+    return {name: {vid: axis_model.DEFAULT if i == 0 else value for i, (vid, value) in enumerate(values.items())}
+            for name, values in axes.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stackcheck.harness.surfaces", description=__doc__.split("\n\n")[0])
     parser.add_argument("--record", metavar="SET", help="write this environment's fields to docs/axes-fields.json under SET")

@@ -176,6 +176,18 @@ def test_a_rank_pool_switch_other_than_0_or_1_is_one_line(command, tmp_path, cap
                     "resumes on a warm process, 0 starts a new process for each")
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--explore", "0"], "--explore 0: explore samples N configurations beyond the pairs, N at least 1"),
+    (["--explore", "-3"], "--explore -3: explore samples N configurations beyond the pairs, N at least 1"),
+    (["--explore", "many"], "--explore: invalid int value: 'many'"),
+    (["--seed", "7"], "--seed S is the seed of --explore N: name --explore too"),
+    (["--explore", "5", "--seed", "-1"], "--seed -1: a seed is 0 or more"),
+])
+def test_an_explore_count_or_seed_that_cannot_be_is_one_line(argv, message, tmp_path, capsys, no_environments):
+    line = one_usage_line(cli.main(["matrix", "--sets", "seed", "--results", str(tmp_path / "m.json"), *argv]), capsys)
+    assert line.startswith("stackcheck: ") and message in line, line
+
+
 @pytest.mark.parametrize("text, message", [("{", "cannot read"), ('{"sets": [], "cells": []}', "`sets` is not an object")],
                          ids=["not JSON", "sets as a list"])
 def test_matrix_over_corrupt_results_fails_before_any_build(text, message, tmp_path, capsys, no_environments):

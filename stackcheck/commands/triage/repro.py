@@ -19,7 +19,7 @@ from pathlib import Path
 from stackcheck import REPO_ROOT
 from stackcheck.runner import envs, lane
 from stackcheck.core import protocol, results
-from stackcheck.core.ledger import KNOWN_BUG, NEW_FAILURE, Ledger
+from stackcheck.core.ledger import KNOWN_BUG, NEW_FAILURE, Ledger, family_path
 from stackcheck.core.cell import Cell
 from stackcheck.commands.triage import repro_script
 from stackcheck.core.versions import PACKAGES, UsageError, VersionSet, default_set, resolve, slug
@@ -109,7 +109,7 @@ def blamed_library(cell: Cell, ledger: Ledger, trace: str) -> str:
 def _expected(cell: Cell) -> str:
     import ast
 
-    tree = ast.parse((REPO_ROOT / "tests" / "families" / f"test_{cell.family}.py").read_text())
+    tree = ast.parse((REPO_ROOT / family_path(cell.family)).read_text())  # tests/families or tests/contract/<phase>
     function = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == cell.function), None)
     text = (function and ast.get_docstring(function)) or ast.get_docstring(tree) or ""
     return text.split("\n\n", 1)[0].replace("\n", " ")

@@ -14,12 +14,19 @@ from stackcheck.harness import scenario, surfaces
 ROUND_TRIP_TOLERANCE = 0.01
 QUANT = {"nf4": True, "bf16": False}
 LORA = surfaces.model_axes("lora", "use_dora", "use_rslora", "modules_to_save", "lora_bias")
+# Explore mode's further axes (--explore): the pairs hold each at its first value, the field left out, which is the
+# adapter fixture's and LoraConfig's (rank 4, no dropout, no bias trained, no tying asked, no trainable tokens).
+EXPLORED = surfaces.explore_axes("lora", "r", "lora_dropout", "bias", "ensure_weight_tying", "trainable_token_indices")
 
 
 @pytest.mark.axes(**LORA, quant=QUANT)
-@pytest.mark.axes_invalid(*surfaces.model_invalid("lora", LORA))
-def test_adapter_config_trains_saves_and_reloads(under_test, use_dora, use_rslora, modules_to_save, lora_bias, quant, tmp_path, prompt):
-    config = scenario.AdapterVariant.of(use_dora=use_dora, use_rslora=use_rslora, modules_to_save=modules_to_save, lora_bias=lora_bias)
+@pytest.mark.axes_explore(**EXPLORED)
+@pytest.mark.axes_invalid(*surfaces.model_invalid("lora", {**LORA, **EXPLORED}))
+def test_adapter_config_trains_saves_and_reloads(under_test, use_dora, use_rslora, modules_to_save, lora_bias, quant, r, lora_dropout, bias,
+                                                 ensure_weight_tying, trainable_token_indices, tmp_path, prompt):
+    config = scenario.AdapterVariant.of(use_dora=use_dora, use_rslora=use_rslora, modules_to_save=modules_to_save, lora_bias=lora_bias, r=r,
+                                        lora_dropout=lora_dropout, bias=bias, ensure_weight_tying=ensure_weight_tying,
+                                        trainable_token_indices=trainable_token_indices)
     base = scenario.load_base(under_test, quantized=quant)
     if quant:
         scenario.first_nested_linear4bit(base)
