@@ -20,7 +20,9 @@ AXES_FILE = REPO_ROOT / "stackcheck" / "axes.toml"
 SNAPSHOTS = REPO_ROOT / "docs" / "axes-fields.json"
 HOWS = ("auto", "dataclass", "signature", "signature+kwargs", "enum")
 DEFAULT = "<default>"  # an axis value meaning: leave the field out, the library's default applies
-CONSTRAINT_KINDS = ("refused", "cut")
+# refused: the config class raises; refused_on_wrap: the library raises when it wraps a model with the config (PEFT's
+# get_peft_model), as its own source says (the `why`); cut: left out for the cell budget.
+CONSTRAINT_KINDS = ("refused", "refused_on_wrap", "cut")
 NO_4BIT_PATH, OPTIM_VALUE = "no_4bit_path", "optim_value"  # reasons whose truth the snapshot can tell  # the library refuses the combination / left out for the cell budget
 
 
