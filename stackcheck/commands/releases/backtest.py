@@ -15,6 +15,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.version import Version
+
 from stackcheck import REPO_ROOT
 from stackcheck.commands.releases import history, watch
 from stackcheck.commands.releases.probes import DEFAULT_STORE, Prober, ProbeStore
@@ -90,7 +92,11 @@ def sweep_library(library: Library, arch: str | None, store: ProbeStore, args) -
     listed = [str(v) for v in watch.releases_from(args.releases)(library.name)] if args.releases else None
     if library.only:
         listed = [v for v in listed or library.only if v in library.only]
-    releases = history.releases_in_range(library.name, library.start, library.end, ",".join(listed) if listed else None)
+    start, end = library.start, library.end
+    if listed:  # an offline host's list may hold a part of the range only
+        ordered = sorted(listed, key=Version)
+        start, end = max(start, ordered[0], key=Version), min(end, ordered[-1], key=Version)
+    releases = history.releases_in_range(library.name, start, end, ",".join(listed) if listed else None)
     jobs = args.jobs or history.default_jobs()
     threads = max(1, (os.cpu_count() or 1) // jobs)
     prober = Prober(store, args.find_links, args.no_index, lanes, threads, tuple(lane.arch_options(arch)), dict(library.variables))
