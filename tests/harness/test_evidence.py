@@ -53,3 +53,16 @@ def test_an_api_the_release_lacks_stays_not_affected_and_a_skip_keeps_its_verdic
 def test_evidence_survives_the_cell_round_trip():
     found = cell(evidence.of_test(RAISED))
     assert Cell.from_dict(found.to_dict()) == found and found.to_dict()["evidence"]["test"]["message"] == RAISED.message
+
+
+def test_a_scenario_a_known_bug_keeps_from_being_reached_reads_that_bug_inside_its_range_alone():
+    test = "test_peft_load_on_split_4bit_base_under_memory_pressure[cpu-qwen3moe]"
+    stopped = Failure("ScenarioNotReached", ("ScenarioNotReached", "Exception", "BaseException"),
+                      "scenario not reached: the dispatch kept every Linear4bit on the main device ({'a': 'cpu'})",
+                      ("tests/families/test_meta_quant_state.py:test_peft_load_on_split_4bit_base_under_memory_pressure",
+                       "stackcheck/harness/place.py:require_offloaded_linear4bit", "stackcheck/harness/proof.py:require"), not_reached=True)
+    ledger = Ledger()
+    inside = ledger.judge("meta_quant_state", test, dict(SEED, peft="0.18.1"), stopped, "qwen3_moe")
+    assert (inside.verdict, inside.bug) == (KNOWN_BUG, "peft_0_18_redispatch_keeps_moe_4bit_on_main")
+    assert ledger.judge("meta_quant_state", test, dict(SEED, peft="0.19.0"), stopped, "qwen3_moe").verdict == ERROR
+    assert ledger.judge("meta_quant_state", test, dict(SEED, peft="0.18.1"), stopped, "llama").verdict == ERROR

@@ -29,6 +29,8 @@ from stackcheck.runner import lane
 PLAN = REPO_ROOT / "stackcheck" / "backtest.toml"
 DEFAULT_OUTPUT = REPO_ROOT / "results" / "backtest.json"
 OPEN = (NEW_FAILURE, ERROR, FIXED)  # verdicts the backtest leaves open until the ledger explains them
+UNUSABLE = "unusable"  # the page's word for a release one of whose libraries does not import with its base set
+UNUSABLE_PREFIX = "set unusable: "  # the signature of such a release's one cell per family (runner.lane.record_unbuildable)
 # How each verdict's cells are disposed of, in the page's order.
 DISPOSED = (KNOWN_BUG, NOT_AFFECTED, NOT_APPLICABLE, SKIPPED)
 
@@ -116,6 +118,12 @@ def sweep_library(library: Library, arch: str | None, store: ProbeStore, args) -
 # ------------------------------------------------------------------------------------------------------ the page
 
 _NUMBERS = re.compile(r"\d+(\.\d+)?(e-?\d+)?")
+_PATHS = re.compile(r" ?\((?:/|[A-Za-z]:\\)[^)]*\)|(?:/[\w.+-]+)+/")  # a file's place on the machine that ran it
+
+
+def unusable_reason(cell: Cell) -> str:
+    """Why a release's set did not import, without the machine's paths."""
+    return _PATHS.sub("", (cell.signature or "").removeprefix(UNUSABLE_PREFIX))
 
 
 def reason_of(cell: Cell) -> str:
@@ -151,8 +159,11 @@ def dispositions(record: dict, ledger: Ledger) -> list[dict]:
         for cell in probe.cells if probe else []:
             if cell.verdict == PASS:
                 continue
-            key = (cell.verdict, cell.family, reason_of(cell))
-            group = groups.setdefault(key, {"verdict": cell.verdict, "family": cell.family, "reason": key[2], "bug": cell.bug,
+            unusable = (cell.signature or "").startswith(UNUSABLE_PREFIX)
+            verdict = UNUSABLE if unusable else cell.verdict
+            # An unusable release is one row, whatever the families: its reason is the set's, not a family's.
+            key = (verdict, "every family", unusable_reason(cell)) if unusable else (verdict, cell.family, reason_of(cell))
+            group = groups.setdefault(key, {"verdict": verdict, "family": key[1], "reason": key[2], "bug": cell.bug,
                                             "releases": set(), "cells": 0, "arch": set(), "example": cell})
             group["releases"].add(label)
             group["cells"] += 1
@@ -165,7 +176,7 @@ def dispositions(record: dict, ledger: Ledger) -> list[dict]:
         group["disposition"] = disposition(group, ledger)
         group["open"] = group["verdict"] in OPEN
         found.append(group)
-    order = {verdict: index for index, verdict in enumerate([*OPEN, *DISPOSED])}
+    order = {verdict: index for index, verdict in enumerate([*OPEN, UNUSABLE, *DISPOSED])}
     found.sort(key=lambda g: (order.get(g["verdict"], 99), g["family"], g["reason"]))
     return found
 
@@ -177,6 +188,8 @@ def disposition(group: dict, ledger: Ledger) -> str:
             return f"known bug {group['bug']}, which this ledger no longer lists"
         evidence = "; ".join(f"`{bound}` {kind}" for bound, kind in bound_kinds(bug))
         return f"known bug inside its range ({bug.describe_range()}){': ' + evidence if evidence else ''}"
+    if verdict == UNUSABLE:
+        return "the release does not import with its base set: one line for the set, its cells not run"
     if verdict in (NOT_AFFECTED, NOT_APPLICABLE, SKIPPED):
         return {NOT_AFFECTED: "the release predates the API or the bug", NOT_APPLICABLE: "the architecture lacks the structure",
                 SKIPPED: "not run on this lane or host"}[verdict]
