@@ -38,7 +38,7 @@ def scripted_cells(version: str) -> list[dict]:
 def runner(monkeypatch, tmp_path):
     """lane.run_timed scripted per transformers version; `calls` lists the versions really probed, and
     `crash_at` makes one probe raise as a crashed sweep would."""
-    state = {"calls": [], "crash_at": None, "families": []}
+    state = {"calls": [], "crash_at": None, "families": [], "empty_at": None}
 
     def run_timed(vset, targets, results_path, find_links=(), no_index=False, baseline=None, lanes=("cpu",), env=None, options=()):
         version = vset.pins["transformers"].version
@@ -48,6 +48,8 @@ def runner(monkeypatch, tmp_path):
         results.record_set(results_path, vset.name, {package: pin.version for package, pin in vset.pins.items()})  # as the plugin does
         families = {t.removeprefix("tests/families/test_").removesuffix(".py") for t in targets}
         state["families"].append(families)
+        if version == state["empty_at"]:  # a run stopped before any cell (a signal, a killed child)
+            return [], {"environment": 0.0, "startup": 1.0, "fixtures": 0.0, "tests": 0.0, "exit": 0.1, "total": 1.1}
         cells = [Cell.from_dict(dict(c, set=vset.name, note=None, seconds=0.1)) for c in scripted_cells(version) if c["family"] in families]
         return cells, {"environment": 0.0, "startup": 1.0, "fixtures": 0.0, "tests": 0.5, "exit": 0.1, "total": 1.6}
 
@@ -216,3 +218,12 @@ def test_the_backtest_disposes_of_every_cell_that_does_not_pass_and_leaves_the_r
     runner["calls"].clear()
     assert cli.main([*argv, "--render-only"]) == 1 and runner["calls"] == []  # drawn again from the maps, nothing run
     assert "1 cells open" in capsys.readouterr().out
+
+
+def test_a_probe_stopped_before_any_cell_is_not_kept_and_runs_again(tmp_path, runner):
+    runner["empty_at"] = "5.12.0"
+    assert history(tmp_path) == 1  # a release without a probe
+    record = json.loads((tmp_path / "history.json").read_text())
+    assert [r["release"] for r in record["releases"] if r["probe"] is None] == ["5.12.0"]
+    runner["empty_at"], runner["calls"] = None, []
+    assert history(tmp_path) == 0 and runner["calls"] == ["5.12.0"]

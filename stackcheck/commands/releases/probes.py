@@ -197,7 +197,8 @@ class Prober:
             total, reused = costs["total"], costs["environment"]
             assert total is not None and reused is not None, "run_timed times the environment and the whole run always"
             costs |= {"environment": environment, "total": total - reused + environment}
-        built = installed.get("env") != "not built"
+        # A run that recorded no cell was stopped before any (a signal, a killed child): no probe, as one not built.
+        built = installed.get("env") != "not built" and bool(cells)
         if self.store and built:  # an environment that did not build may build next time (a network hiccup)
             self.store.add(key, label, todo, cells, installed, costs, concurrent)
             cells = self.store.cells(key, current) + cells
