@@ -327,7 +327,10 @@ def run_timed(vset: VersionSet, targets: list[str], results_path: Path, find_lin
     try:
         python = python or envs.build(vset, find_links, no_index)
     except envs.EnvBuildError as exc:
-        record_unbuildable(results_path, vset, str(exc))
+        # Pins the resolver cannot install together are so on every run: the set is unusable (kept); anything else
+        # (the network, a pin the index lacks) may build next time.
+        conflict = bool(CONFLICT.search(str(exc))) and not MISSING.search(str(exc))
+        record_unbuildable(results_path, vset, f"its pins cannot be installed together ({exc})" if conflict else str(exc), unusable=conflict)
         costs["environment"] = time.monotonic() - started
     else:
         costs["environment"] = time.monotonic() - started
