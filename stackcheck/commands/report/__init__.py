@@ -237,7 +237,8 @@ def history_model(name: str, record: dict) -> dict:
     bugs = [{"id": bug, "states": mine, **bug_history(mine, labels)} for bug, mine in states.items()]
     bugs.sort(key=lambda bug: bug["first_bad"] is None)  # the bugs that show in the range first, in the ledger's order
     # Each family's worst verdict per release (None: not probed, or no cell of it): the map the backtest draws.
-    worst = [{family: min((c.verdict for c in probe.cells if c.family == family), key=SEVERITY.index, default=None)
+    rank = {str(verdict): index for index, verdict in enumerate(SEVERITY)}
+    worst = [{family: min((c.verdict for c in probe.cells if c.family == family), key=rank.__getitem__, default=None)
               for family in sweep["families"]} if probe else {} for _label, probe in rows]
     families = [{"id": family, "verdicts": [w.get(family) for w in worst]} for family in sweep["families"]]
     return {"name": name, "id": slug(name), "sweep": sweep, "labels": labels, "bugs": bugs, "families": families}
