@@ -10,6 +10,7 @@ architecture the test built (None: none). Skips carry none: no ledger decides th
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 
 from stackcheck.core.cell import Cell
@@ -20,18 +21,23 @@ KEY = "evidence"  # the cell's key (stackcheck.core.cell.OPTIONAL_KEYS)
 Judge = Callable[[Failure | None], Judgement]
 
 
+def _plain(data: dict) -> dict:
+    """JSON's types only (an enum as its value, a tuple as a list): a cell crosses xdist's wire and lands in JSON."""
+    return json.loads(json.dumps(data, default=str))
+
+
 def of_test(failure: Failure | None) -> dict:
-    return {"test": failure.to_json() if failure else None}
+    return _plain({"test": failure.to_json() if failure else None})
 
 
 def of_setup(cause: Failure, outer: Failure | None) -> dict:
     """A setup that broke: `cause` is what broke it (a FixtureError's cause), `outer` the FixtureError itself
     (None where the setup raised the cause directly)."""
-    return {"setup": cause.to_json(), "outer": outer.signature() if outer else None}
+    return _plain({"setup": cause.to_json(), "outer": outer.signature() if outer else None})
 
 
 def of_ranks(outcomes: list[RankOutcome]) -> dict:
-    return {"ranks": [o.to_json() for o in outcomes]}
+    return _plain({"ranks": [o.to_json() for o in outcomes]})
 
 
 def judge(evidence: dict, judge_failure: Judge) -> tuple[Judgement, list[dict] | None]:

@@ -66,3 +66,15 @@ def test_a_scenario_a_known_bug_keeps_from_being_reached_reads_that_bug_inside_i
     assert (inside.verdict, inside.bug) == (KNOWN_BUG, "peft_0_18_redispatch_keeps_moe_4bit_on_main")
     assert ledger.judge("meta_quant_state", test, dict(SEED, peft="0.19.0"), stopped, "qwen3_moe").verdict == ERROR
     assert ledger.judge("meta_quant_state", test, dict(SEED, peft="0.18.1"), stopped, "llama").verdict == ERROR
+
+
+def test_a_distributed_jobs_evidence_is_plain_data_and_judged_again_the_same():
+    from stackcheck.distributed.outcome import RankOutcome, RankState, judge_ranks
+
+    outcomes = [RankOutcome(0, RankState.FAILED, RAISED), RankOutcome(1, RankState.STOPPED)]
+    found = evidence.of_ranks(outcomes)
+    assert found["ranks"][0]["state"] == "failed" and isinstance(found["ranks"][0]["failure"]["exception_mro"], list)
+    ledger = Ledger()
+    live, _ = judge_ranks(outcomes, lambda failure: ledger.judge("params4bit_kwargs", TEST, SEED, failure, None))
+    again = evidence.rejudge(cell(found), ledger, SEED)
+    assert (again.verdict, again.bug) == (str(live.verdict), live.bug) == (str(KNOWN_BUG), "params4bit_kwargs")
