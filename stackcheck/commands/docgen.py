@@ -148,13 +148,13 @@ def with_section(text: str, section: str) -> str:
     return f"{head}{SECTION_BEGIN}\n{section}\n{SECTION_END}{tail}"
 
 
-def findings_page(docs: Path = DOCS) -> str:
+def findings_page() -> str:
     """The ledger's bugs found here and filed nowhere upstream yet (`reported = false`), each with where the committed
     backtest (docs/backtest.json) reaches it, its repro command and a ready-to-file issue text."""
     import json
 
     ledger = Ledger()
-    backtest = docs / "backtest.json"
+    backtest = DOCS / "backtest.json"  # the committed backtest page, an input here whatever folder is written
     shows: dict[str, list[dict]] = {}
     if backtest.is_file():
         for library in json.loads(backtest.read_text())["libraries"]:
@@ -201,7 +201,7 @@ def pages(parser: argparse.ArgumentParser, docs: Path = DOCS) -> dict[str, str]:
     arch_page = (committed if committed.is_file() else DOCS / "architectures.md").read_text()
     return {"commands.md": commands_page(parser), "families.md": families_page(), "exit-codes.md": exitcodes.markdown(),
             "architectures.md": with_section(arch_page, architectures_section()), "axes.md": axes_page(),
-            "findings.md": findings_page(docs),
+            "findings.md": findings_page(),
             "variables.md": GENERATED.format(source="stackcheck/core/protocol.py's VARIABLES") + "\n\n" + protocol.variables_page()}
 
 
