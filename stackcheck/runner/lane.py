@@ -204,12 +204,16 @@ def check_ledger() -> None:
     Ledger().check_modules(family_modules())
 
 
+# The signature's start on the one cell per family of a release whose set is unusable (the backtest groups them).
+UNUSABLE_SIGNATURE = "set unusable"
+
+
 def record_unbuildable(results_path: Path, vset: VersionSet, reason: str, unusable: bool = False) -> None:
     """A release whose environment cannot be built, or one of whose libraries does not import there (`unusable`: a
     probe of bisect or history, a finding there, not a usage error), gets one cell per family saying so, never a cell
     per test; an unusable release is kept in the probe store (it is so on every run), one not built is not."""
     results.record_set(results_path, vset.name, {"env": "unusable" if unusable else "not built"})
-    what = "set unusable" if unusable else "environment not built"
+    what = UNUSABLE_SIGNATURE if unusable else "environment not built"
     results.record_cells(results_path, [
         Cell(vset.name, family, family_path(family), "cpu", str(ERROR), signature=f"{what}: {reason}", note="setup broke")
         for family in family_modules()

@@ -30,7 +30,7 @@ PLAN = REPO_ROOT / "stackcheck" / "backtest.toml"
 DEFAULT_OUTPUT = REPO_ROOT / "results" / "backtest.json"
 OPEN = (NEW_FAILURE, ERROR, FIXED)  # verdicts the backtest leaves open until the ledger explains them
 UNUSABLE = "unusable"  # the page's word for a release one of whose libraries does not import with its base set
-UNUSABLE_PREFIX = "set unusable: "  # the signature of such a release's one cell per family (runner.lane.record_unbuildable)
+UNUSABLE_PREFIX = f"{lane.UNUSABLE_SIGNATURE}: "  # the signature of such a release's one cell per family
 # How each verdict's cells are disposed of, in the page's order.
 DISPOSED = (KNOWN_BUG, NOT_AFFECTED, NOT_APPLICABLE, SKIPPED)
 
