@@ -267,7 +267,11 @@ def inherit_host_site_packages(python: Path) -> None:
     # harness tests on a GPU host), the host's site-packages reach it through its own .pth, which a .pth
     # listing only its site-packages would not follow.
     host = [path for path in sys.path if os.path.isdir(path) and Path(path).name in ("site-packages", "dist-packages")]
-    Path(purelib, "_stackcheck_host.pth").write_text("\n".join(host) + "\n")
+    # Each as a site directory (`site.addsitedir`), so that its own .pth files run as they do in the host's
+    # interpreter: setuptools' distutils shim among them, which torch's environment has (torch requires setuptools)
+    # and deepspeed < 0.19.8 imports at module level; a plain path line left every deepspeed release before it
+    # "unusable" on a GPU host alone.
+    Path(purelib, "_stackcheck_host.pth").write_text("".join(f"import site; site.addsitedir({path!r})\n" for path in host))
 
 
 def cuda_device() -> str:

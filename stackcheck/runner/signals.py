@@ -20,6 +20,7 @@ STOP_SECONDS = 30.0
 LIVE: set[subprocess.Popen] = set()  # the children started by `call` and not ended yet (a thread's too: history's probes)
 OWN_GROUP: set[subprocess.Popen] = set()  # those in a process group of their own (no debugger reads the terminal)
 INTERRUPTED: set[subprocess.Popen] = set()  # those already sent SIGINT
+RECEIVED: list[int] = []  # the stop signals `_raise` received, the last one raised again in threads' calls
 DEBUGGERS = ("--pdb", "--trace")  # a debugger reads the terminal: its child stays in the terminal's process group
 
 
@@ -34,6 +35,7 @@ class Interrupted(KeyboardInterrupt):
 def _raise(signum, frame):
     """Every child is told at once (the main thread's and those of threads, which wait on theirs: history's probes),
     then the interruption is raised in the main thread."""
+    RECEIVED.append(signum)
     for child in list(LIVE):
         _interrupt(child)
     raise Interrupted(signum)
@@ -82,17 +84,21 @@ def described(interruption: KeyboardInterrupt) -> str:
 
 def call(command: list[str], **popen) -> int:
     """`subprocess.call` of a pytest child in a process group of its own; stopped (`stop`) when the command is
-    interrupted, and the interruption raised again."""
+    interrupted, and the interruption raised again, in a thread's call too (a probe cut short is no probe)."""
     own_group = not any(arg in DEBUGGERS for arg in command)
     child = subprocess.Popen(command, **popen, process_group=0 if own_group else None)
     if own_group:
         OWN_GROUP.add(child)
     LIVE.add(child)
     try:
-        return child.wait()
+        code = child.wait()
     except KeyboardInterrupt:
         stop(child)
         raise
+    else:
+        if child in INTERRUPTED:  # told to stop from the main thread while a thread waited: its results are cut short
+            raise Interrupted(RECEIVED[-1] if RECEIVED else signal.SIGINT)
+        return code
     finally:
         LIVE.discard(child)
         OWN_GROUP.discard(child)

@@ -39,6 +39,25 @@ def test_a_torch_in_the_running_venv_is_inherited_through_a_pth(tmp_path):
     assert seen.stdout.strip() == torch.__file__
 
 
+def test_the_hosts_site_packages_run_their_pth_files_in_the_inheriting_env(tmp_path, monkeypatch):
+    """A `.pth` in the host's site-packages runs in an env that inherits them, as in the host's own interpreter:
+    setuptools' distutils shim is one (torch's environment has it; deepspeed < 0.19.8 imports distutils at module
+    level), and a bare path line had every such deepspeed release read "unusable" on a GPU host alone."""
+    host = tmp_path / "host" / "site-packages"
+    host.mkdir(parents=True)
+    (host / "shim_probe.pth").write_text("import os; os.environ['STACKCHECK_SHIM_RAN'] = '1'\n")
+    (host / "hostonly.py").write_text("VALUE = 7\n")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "env")], check=True)
+    python = tmp_path / "env" / "bin" / "python"
+    monkeypatch.setattr(envs.sys, "path", [str(host)])
+
+    envs.inherit_host_site_packages(python)
+
+    seen = subprocess.run([str(python), "-c", "import os, hostonly; print(hostonly.VALUE, os.environ.get('STACKCHECK_SHIM_RAN'))"],
+                          capture_output=True, text=True, check=True)
+    assert seen.stdout.split() == ["7", "1"]
+
+
 def test_long_set_names_keep_distinct_env_folders():
     clone = "/tmp/" + "a-long-path-to-a-local-clone/" * 3 + "accelerate"
     first, second = (

@@ -135,3 +135,35 @@ def test_sigkill_after_sigterm_leaves_the_file_whole_and_no_process_behind(earli
         time.sleep(0.1)
     assert not group_alive(group), "the pytest child or one of its workers outlived the command's SIGKILL"
     check_nothing_lost(before, on_disk(tmp_path / "matrix.json"), {c["run"] for c in before["cells"].values()})
+
+
+def test_a_threads_child_stopped_by_a_signal_raises_there_too():
+    """history's probes wait on their pytest children in threads; a stop signal interrupts every child, and a thread's
+    `call` then raises too rather than return the cut-short child's code (the probe store kept such a probe, 22 of a
+    release's 49 cells, as whole)."""
+    import threading
+
+    from stackcheck.runner import signals
+
+    outcome: dict = {}
+    started = threading.Event()
+
+    def probe():
+        try:
+            started.set()
+            outcome["code"] = signals.call([sys.executable, "-c", "import time; time.sleep(60)"])
+        except KeyboardInterrupt as exc:
+            outcome["raised"] = exc
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    started.wait()
+    deadline = time.monotonic() + 30
+    while not signals.LIVE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert signals.LIVE, "the thread's child never started"
+    with pytest.raises(signals.Interrupted):
+        signals._raise(signal.SIGTERM, None)
+    thread.join(60)
+    assert "code" not in outcome, f"the thread's call returned {outcome.get('code')} for a child cut short"
+    assert isinstance(outcome.get("raised"), signals.Interrupted) and outcome["raised"].signum == signal.SIGTERM

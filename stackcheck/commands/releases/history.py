@@ -347,7 +347,8 @@ def run(args) -> int:
 
 def sweep_releases(prober: Prober, sets: dict[str, VersionSet], families: list[str], jobs: int) -> list[tuple[str, Probe | None]]:
     """Every release's probe, oldest first: from the store, or run with `jobs` at once while the next
-    environments build. On an interruption the probes in flight finish and the queued ones are dropped."""
+    environments build. On an interruption the probes in flight are stopped and not stored (their cells were cut
+    short: `signals.call` raises in their threads too), and the queued ones are dropped."""
     found: dict[str, Probe | None] = {label: stored for label, vset in sets.items() if (stored := prober.stored(label, vset, families))}
     todo = [label for label in sets if label not in found]
     print(f"== history: {len(sets)} releases, {len(found)} from the store, {len(todo)} to run, "
