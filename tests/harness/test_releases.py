@@ -220,6 +220,38 @@ def test_the_backtest_disposes_of_every_cell_that_does_not_pass_and_leaves_the_r
     assert "1 cells open" in capsys.readouterr().out
 
 
+def test_a_backtest_of_some_releases_adds_them_to_the_map_an_earlier_sweep_made(tmp_path, runner):
+    """A map grows over sweeps of the same shape (another session's `--releases`, a new store): the releases the earlier
+    sweep probed stay, each with the family definitions it ran under, and the page says when those differ."""
+    plan = tmp_path / "plan.toml"
+    plan.write_text('arch = []\n[libraries.transformers]\nfrom = "5.10.1"\nto = "5.25.0"\nbase = "seed"\n'
+                    f'families = {FAMILIES.split(",")!r}\n'.replace("'", '"'))
+    listed = tmp_path / "releases.json"
+
+    def backtest(releases: list[str], store: str) -> dict:
+        listed.write_text(json.dumps({"transformers": releases}))
+        cli.main(["backtest", "--plan", str(plan), "--releases", str(listed), "--jobs", "1", "--store", str(tmp_path / store),
+                  "--maps", str(tmp_path), "--output", str(tmp_path / "backtest.json")])
+        return json.loads((tmp_path / "history-transformers.json").read_text())
+
+    first = backtest(RELEASES[:2], "first.json")
+    first_digest = first["sweep"]["fingerprint"]
+    record = json.loads((tmp_path / "history-transformers.json").read_text())
+    record["sweep"]["fingerprint"] = "0123456789abcdef"  # as if the earlier sweep ran under other definitions
+    for row in record["releases"]:
+        row["probe"]["definitions"] = None  # a map written before probes named theirs
+    (tmp_path / "history-transformers.json").write_text(json.dumps(record))
+    runner["calls"].clear()
+
+    grown = backtest(RELEASES[2:4], "second.json")
+    assert runner["calls"] == RELEASES[2:4]  # the earlier releases were not run again
+    assert [r["release"] for r in grown["releases"]] == RELEASES[:4]
+    assert [r["probe"]["definitions"] for r in grown["releases"]] == ["0123456789abcdef"] * 2 + [first_digest] * 2
+    assert (grown["sweep"]["from"], grown["sweep"]["to"]) == (RELEASES[0], RELEASES[3])
+    page = (tmp_path / "backtest.md").read_text()
+    assert f"`0123456789abcdef` {RELEASES[0]}…{RELEASES[1]}; `{first_digest}` {RELEASES[2]}…{RELEASES[3]}" in page
+
+
 def test_a_probe_stopped_before_any_cell_is_not_kept_and_runs_again(tmp_path, runner):
     runner["empty_at"] = "5.12.0"
     assert history(tmp_path) == 1  # a release without a probe

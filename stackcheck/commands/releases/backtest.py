@@ -110,9 +110,34 @@ def sweep_library(library: Library, arch: str | None, store: ProbeStore, args) -
     started = time.monotonic()
     rows = history.sweep_releases(prober, sets, families, jobs)
     sweep["seconds"] = round(time.monotonic() - started, 1)
-    record = history.map_record(sweep, rows)
-    results.write_json(map_path(args.maps, library.name, lanes), record)  # at once: a later library's crash keeps it
+    path = map_path(args.maps, library.name, lanes)
+    earlier = results.read_checked_json(path, history._map_problem, "history map") if path.exists() else None
+    record = merged(earlier, history.map_record(sweep, rows))
+    results.write_json(path, record)  # at once: a later library's crash keeps it
     return record
+
+
+# What two sweeps of a library must share for one map to hold the releases of both.
+SHAPE = ("package", "base", "overrides", "families", "lanes", "arch", "platform")
+
+
+def merged(earlier: dict | None, record: dict) -> dict:
+    """This sweep's map, with the releases that an earlier sweep of the same shape (SHAPE) probed and this one did
+    not: a map grows over sessions and `--releases` lists. Each release keeps the digest of the family definitions it
+    ran under (the page says when they differ); a sweep of another shape replaces the map."""
+    if earlier is None or any(earlier["sweep"].get(key) != record["sweep"].get(key) for key in SHAPE):
+        return record
+    fresh = {r["release"] for r in record["releases"] if r["probe"]}
+    kept = [r for r in earlier["releases"] if r["probe"] and r["release"] not in fresh]
+    for r in kept:
+        r["probe"].setdefault("definitions", None)
+        r["probe"]["definitions"] = r["probe"]["definitions"] or earlier["sweep"].get("fingerprint")
+    held = {r["release"] for r in kept}
+    releases = sorted([*kept, *(r for r in record["releases"] if r["probe"] or r["release"] not in held)],
+                      key=lambda r: Version(r["release"]))
+    sweep = dict(record["sweep"], **{"from": releases[0]["release"], "to": releases[-1]["release"],
+                                     "seconds": round(record["sweep"].get("seconds", 0) + earlier["sweep"].get("seconds", 0), 1)})
+    return history.map_record(sweep, history.rows_of({"sweep": sweep, "releases": releases}))
 
 
 # ------------------------------------------------------------------------------------------------------ the page
@@ -229,6 +254,19 @@ def architectures_of(record: dict) -> list[str]:
     return record["sweep"].get("arch") or sorted({c["arch"] for r in record["releases"] if r["probe"] for c in r["probe"]["cells"] if c.get("arch")})
 
 
+def definitions_note(record: dict) -> str:
+    """Where a map's releases ran under more than one version of the family definitions (sweeps of several sessions),
+    which ran under which: a verdict is the definitions' as much as the release's."""
+    by: dict[str, list[str]] = {}
+    for r in record["releases"]:
+        if r["probe"]:
+            by.setdefault(r["probe"].get("definitions") or record["sweep"].get("fingerprint") or "?", []).append(r["release"])
+    if len(by) < 2:
+        return ""
+    return " Family definitions (digests) by release: " + "; ".join(f"`{digest}` {spans([r['release'] for r in record['releases']], set(labels))}"
+                                                               for digest, labels in by.items()) + "."
+
+
 def render_markdown(records: list[dict], ledger: Ledger, arch: str | None) -> str:
     letters = ", ".join(f"{code} {verdict}" for verdict, code in history.VERDICT_CODES.items())
     lines = ["# The backtest: every release of the stack's libraries", "",
@@ -253,7 +291,8 @@ def render_markdown(records: list[dict], ledger: Ledger, arch: str | None) -> st
         sections += [f"## {sweep['package']}", "",
                      f"{sweep['package']} {sweep['from']} to {sweep['to']} on `{sweep['base']}`, lanes {', '.join(sweep['lanes'])}, "
                      f"platform {', '.join(f'{k} {v}' for k, v in sweep['platform'].items())}; architectures "
-                     f"{', '.join(architectures_of(record)) or '–'}; releases {', '.join(r['release'] for r in record['releases'] if r['probe'])}.", "",
+                     f"{', '.join(architectures_of(record)) or '–'}; releases {', '.join(r['release'] for r in record['releases'] if r['probe'])}."
+                     f"{definitions_note(record)}", "",
                      "### Map (each family's verdict letters, worst first, as runs of releases)", "",
                      "| family | releases |", "|---|---|"]
         sections += [f"| {family} | {text} |" for family, text in family_spans(record, ledger)]

@@ -62,6 +62,7 @@ class Probe:
     concurrent: int = 1  # probes running at once when it ran
     versions: dict = field(default_factory=dict)  # what its environment had installed
     built: bool = True  # False: its environment could not be built, and its cells say so
+    definitions: str | None = None  # the digest of the family definitions it ran under (results.fingerprint)
 
 
 class ProbeStore:
@@ -115,7 +116,7 @@ class ProbeStore:
         if stored is None or len(self.current(key, families)) != len(families):
             return None
         return Probe(label, self.cells(key, families), reused=True, costs=stored["costs"], concurrent=stored["concurrent"],
-                     versions=stored["versions"])
+                     versions=stored["versions"], definitions=results.fingerprint())  # every family's current: today's
 
     def add(self, key: dict, label: str, families: list[str], cells: list[Cell], versions: dict, costs: dict,
             concurrent: int) -> None:
@@ -202,4 +203,5 @@ class Prober:
         if self.store and built:  # an environment that did not build may build next time (a network hiccup)
             self.store.add(key, label, todo, cells, installed, costs, concurrent)
             cells = self.store.cells(key, current) + cells
-        return Probe(label, cells, reused=False, costs=costs, concurrent=concurrent, versions=installed, built=built)
+        return Probe(label, cells, reused=False, costs=costs, concurrent=concurrent, versions=installed, built=built,
+                     definitions=results.fingerprint())

@@ -63,6 +63,7 @@ class Run:
     def torch_adamw(self) -> None:
         if not self.reference:
             self.reference, self.reference_losses, optimizer = self.train(lambda params: torch.optim.AdamW(params, **ADAMW))
+            self.require_moved()  # a tensor without a gradient has no AdamW state to read below
             # The elements an 8-bit blockwise state represents to within its precision: those whose gradient scale
             # (the square root of AdamW's second moment) is within DYNAMIC_RANGE of the largest in their tensor, so
             # within it of their block's largest too.
@@ -71,8 +72,11 @@ class Run:
                 self.represented[name] = scale >= scale.max() / DYNAMIC_RANGE
                 (beta1, beta2), corrected = ADAMW["betas"], optimizer.state[p]["exp_avg"].abs() / scale.clamp_min(torch.finfo(scale.dtype).tiny)
                 self.agreement[name] = corrected * math.sqrt(1 - beta2**STEPS) / (1 - beta1**STEPS)
+        self.require_moved()
+
+    def require_moved(self) -> None:
         still = [name for name, p in self.reference.items() if torch.equal(p, self.start[name])]
-        scenario.require(not still, f"torch's AdamW did not move {len(still)} of {len(self.lora)} LoRA tensors")
+        scenario.require(not still, f"torch's AdamW did not move {len(still)} of {len(self.lora)} LoRA tensors: {still}")
 
     def rounding_floor(self) -> float:
         """How far another correct implementation of the same float32 AdamW lands from torch's default on this device
