@@ -292,10 +292,10 @@ def _map_problem(data) -> str | None:
     return None
 
 
-def render(record: dict, output: Path) -> str | None:
-    """Write the map's JSON, Markdown and PNG, its cells judged under today's ledger; a note when the PNG could not
-    be drawn."""
-    rows, sweep = rows_of(record), record["sweep"]
+def render(record: dict, output: Path, rows: list[tuple[str, Probe | None]] | None = None) -> str | None:
+    """Write the map's JSON, Markdown and PNG, its cells judged under today's ledger (`rows`: judged already); a note
+    when the PNG could not be drawn."""
+    rows, sweep = rows if rows is not None else rows_of(record), record["sweep"]
     results.write_json(output, map_record(sweep, rows))
     output.with_suffix(".md").write_text(render_markdown(sweep, rows, sweep["families"]))
     return render_heat_map(sweep, rows, sweep["families"], output.with_suffix(".png"))
