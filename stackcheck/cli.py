@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
                                  "--seed (cell ids end in -explored); each one that fails is shrunk to a minimal configuration "
                                  "by running the test again, recorded on its cell and printed with the line that reproduces it")
         matrix.add_argument("--seed", type=int, metavar="S", help="the seed --explore samples from (default: 0)")
+        matrix.add_argument("--no-cross-release", action="store_true",
+                            help="leave out the cross-release cells: the checkpoints sets.toml's `cross_release` set (transformers "
+                                 "4.57) writes once per machine into the cache, which each set reads (docs/running.md)")
         matrix.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --; tests named there (a cell's node "
                                                            "id) run alone, not with their whole families")
 

@@ -15,7 +15,7 @@ from stackcheck.child import keys
 from stackcheck.child.recorder import Recorder, Timing
 from stackcheck.core import hostinfo, results
 from stackcheck.core.ledger import Ledger, LedgerError
-from stackcheck.core.protocol import ARCH_OPTION, BASELINE_OPTION, LANES_OPTION, RESULTS_OPTION, SET_OPTION, SET_RECORD_ENV, TIMING_OPTION
+from stackcheck.core.protocol import ARCH_OPTION, BASELINE_OPTION, CROSS_RELEASE_OPTION, LANES_OPTION, RESULTS_OPTION, SET_OPTION, SET_RECORD_ENV, TIMING_OPTION
 from stackcheck.core.versions import LIBRARIES, Pin, VersionSet, installed_versions
 from stackcheck.models import architectures
 from stackcheck.process import cuda_driver, gpu_wait, resume as resume_process, warm, warmer
@@ -33,6 +33,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="architectures under test: built-in names, comma-separated, or a config.json (default: every built-in one)")
     group.addoption(BASELINE_OPTION, default=None,
                     help=f"the set of this run whose trained adapter this set loads (stackcheck.child.exchange; needs {RESULTS_OPTION})")
+    group.addoption(CROSS_RELEASE_OPTION, default=None,
+                    help="the folder of the cross-release writer's exports, which this set's cross-release cells read "
+                         "(stackcheck.commands.cross_release; without it they are skipped)")
     group.addoption(TIMING_OPTION, default=None,
                     help="JSON file to write the run's cost breakdown to: start-up, fixture build, tests, exit")
 

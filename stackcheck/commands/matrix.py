@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from stackcheck.commands import explore
+from stackcheck.commands import cross_release, explore
 from stackcheck.core import results
 from stackcheck.core.cell import Cell
 from stackcheck.core.ledger import Ledger
@@ -51,8 +51,10 @@ def run(args) -> int:
     lanes = ["gpu", "cpu"] if gpu else ["cpu"]
     args.results.parent.mkdir(parents=True, exist_ok=True)
     unusable: dict[str, str] = {}
+    writer = cross_release.plan(sets, families, args.arch, args.no_cross_release or bool(named_paths(args.pytest_args)))
     pythons = build_all(sets, args.find_links, args.no_index, unusable=unusable)
     sets = [vset for vset in sets if vset.name not in unusable]
+    reads = cross_release.prepare(writer, args.find_links, args.no_index) if sets else []  # the writer's checkpoints, once per machine
     incomplete, cells = [], []
     tracker = Progress(args.command, len(sets), "set")
     ledger = Ledger()
@@ -61,7 +63,7 @@ def run(args) -> int:
         started, run = time.monotonic(), new_run_id()
         selection = [] if gpu else [CPU_LANE]
         # Every set after the first loads the adapter the first one trained (stackcheck.child.exchange).
-        code = run_pytest(pythons[vset.name], vset, targets, ["-q", *selection, *arch_options(args.arch), *explore_options,
+        code = run_pytest(pythons[vset.name], vset, targets, ["-q", *selection, *arch_options(args.arch), *explore_options, *reads,
                                                               *parallel_options(args.pytest_args, pools=pools), *args.pytest_args],
                           args.results, sets[0].name, tracker.env() | pools_env, run=run)
         ran = results.cells_of_run(args.results, vset.name, run)

@@ -10,7 +10,9 @@ Also here: the default places the commands write to (results/, results/matrix.js
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from stackcheck import REPO_ROOT
 
@@ -24,6 +26,7 @@ TIMING_OPTION = "--stackcheck-timing"  # a JSON file the child writes its run's 
 EXHAUSTIVE_OPTION = "--stackcheck-exhaustive"  # every combination of a contract test's axes, not a pairwise cover
 EXPLORE_OPTION = "--stackcheck-explore"  # N configurations of each contract test's axes beyond its pairwise cover
 SEED_OPTION = "--stackcheck-seed"  # the seed EXPLORE_OPTION samples from
+CROSS_RELEASE_OPTION = "--stackcheck-cross-release"  # the folder of the cross-release writer's exports (stackcheck.commands.cross_release)
 # pytest options of stackcheck.child.bench.
 BENCH_SIZE_OPTION = "--stackcheck-bench-size"
 BENCH_REPEAT_OPTION = "--stackcheck-bench-repeat"
@@ -64,7 +67,8 @@ RANK_POOL_ENV = _variable("STACKCHECK_RANK_POOL", USER, "1: two-rank cells on wa
                           "process for each (the matrix commands pass 1 unless the user set 0; plain pytest and CI: 0) (stackcheck.process.warm)")
 DIST_CPU_ENV = _variable("STACKCHECK_DIST_CPU", USER, "`all`: the CPU lane also runs the distributed cells left out of the default run for their cost")
 FIXTURES_ENV = _variable("STACKCHECK_FIXTURES", USER, "the fixtures folder (a harness test breaks a precondition through it)")
-CACHE_ENV = _variable("STACKCHECK_CACHE", USER, "where the tiny checkpoints are cached")
+CACHE_ENV = _variable("STACKCHECK_CACHE", USER, "where the tiny checkpoints and the cross-release writer's checkpoints are cached "
+                      "(default: .cache/ in the checkout)")
 WHEEL_DIRS_ENV = _variable("STACKCHECK_WHEEL_DIRS", USER, "local wheel folders the environments take torch from")
 BENCH_SLOWDOWN_ENV = _variable("STACKCHECK_BENCH_SYNTHETIC_SLOWDOWN", USER, "test-only: slows every timed bench call")
 CHROMIUM_ENV = _variable("STACKCHECK_CHROMIUM", USER, "the Chromium the report's browser tests and screenshots drive (default: the OS's)")
@@ -82,6 +86,11 @@ def variables_page() -> str:
 RESULTS_DIR = REPO_ROOT / "results"
 MATRIX_FILE = "matrix.json"
 DEFAULT_RESULTS = RESULTS_DIR / MATRIX_FILE
+
+
+def cache_root() -> Path:
+    """The machine's cache: the tiny checkpoints (stackcheck.models.tiny) and the cross-release writer's exports."""
+    return Path(os.environ.get(CACHE_ENV, REPO_ROOT / ".cache"))
 
 
 def option(name: str, value: object) -> str:

@@ -229,6 +229,16 @@ def every_set(known: dict[str, VersionSet] | None = None) -> list[str]:
     return [name for name, vset in (known or load_sets()[0]).items() if not vset.opt_in]
 
 
+def cross_release_writer(path: Path = SETS_FILE) -> VersionSet | None:
+    """The set whose quantized checkpoints every matrix run's sets also read (sets.toml's `cross_release`); None
+    where it names none."""
+    known, _default = load_sets(path)
+    name = tomllib.loads(path.read_text()).get("cross_release")
+    if name is not None and name not in known:
+        raise UsageError(f"{path}: cross_release = {name!r} names no set (its sets: {', '.join(known)})")
+    return known[name] if name is not None else None
+
+
 def current_set() -> VersionSet:
     """The libraries installed in this interpreter, pinned: `doctor`'s claims verified on the user's own stack."""
     installed = installed_versions()

@@ -71,8 +71,7 @@ def adapter_spec(arch: Architecture, name: str) -> dict:
     return spec
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get(protocol.CACHE_ENV, REPO_ROOT / ".cache"))
+cache_root = protocol.cache_root
 
 
 def _cache_dir(model: str, texts: tuple[str, ...]) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stackcheck import cli
-from stackcheck.commands import matrix as matrix_command
+from stackcheck.commands import cross_release, matrix as matrix_command
 from stackcheck.runner import envs, exitcodes, lane
 from stackcheck.core import results, versions
 from stackcheck.core.cell import Cell
@@ -94,6 +94,7 @@ def scripted(monkeypatch):
     monkeypatch.setattr(envs, "versions_in", lambda python, vset: "scripted")
     monkeypatch.setattr(envs, "import_problem", lambda python: state["unimportable"].get(state["built"][-1]))
     monkeypatch.setattr(matrix_command, "run_pytest", run_pytest)
+    monkeypatch.setattr(cross_release, "plan", lambda *args: None)  # its own tests: test_cross_release
     return state
 
 

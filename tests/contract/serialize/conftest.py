@@ -1,11 +1,14 @@
-"""The serialize phase's fixture: the base-checkpoint exchange (stackcheck.child.exchange), beside the results file, one
-folder per architecture, as the plugin's `adapter_exchange` is for adapters."""
+"""The serialize phase's fixtures: the base-checkpoint exchange (stackcheck.child.exchange), beside the results file, one
+folder per architecture, as the plugin's `adapter_exchange` is for adapters; and the cross-release writer's, in the
+machine's cache (stackcheck.commands.cross_release)."""
 
 from pathlib import Path
 
 import pytest
 
 from stackcheck.child import exchange
+from stackcheck.core.protocol import CROSS_RELEASE_OPTION
+from stackcheck.core.versions import cross_release_writer
 
 
 @pytest.fixture
@@ -15,3 +18,13 @@ def base_exchange(request: pytest.FixtureRequest, arch) -> exchange.BaseExchange
     path = config.getoption("--stackcheck-results")
     return exchange.BaseExchange(exchange.folder_beside(Path(path), "base") / arch.name if path else None,
                                  config.getoption("--stackcheck-set"), config.getoption("--stackcheck-baseline"))
+
+
+@pytest.fixture
+def writer_exchange(request: pytest.FixtureRequest, arch) -> exchange.BaseExchange:
+    """Where this set finds the quantized checkpoints the cross-release writer (sets.toml's `cross_release`, transformers
+    4) saved on `arch`: in the folder the command names, or nowhere (the cells are skipped)."""
+    config = request.config
+    folder, writer = config.getoption(CROSS_RELEASE_OPTION), cross_release_writer()
+    return exchange.BaseExchange(exchange.folder_beside(Path(folder) / "matrix.json", "base") / arch.name if folder and writer else None,
+                                 config.getoption("--stackcheck-set"), writer.name if writer else None)

@@ -67,13 +67,14 @@ def test_saved_checkpoint_reloads_bit_exact(under_test, quantization, lane, prom
     assert torch.equal(got, expected), f"the reloaded model's logits differ from the saved model's: relative error {scenario.relative_error(got, expected):.4g}"
 
 
-def baseline_export(base_exchange, name: str, versions: dict[str, str]):
+def baseline_export(exchange, name: str, versions: dict[str, str], absent: str):
+    """The export `name` of the set `exchange` reads from; skipped (`absent` says why) where the run names none."""
     try:
-        export = base_exchange.baseline_export(name)
+        export = exchange.baseline_export(name)
     except ExportMissing as exc:
         raise scenario.ScenarioNotReached(str(exc)) from None
     if export is None:
-        pytest.skip("no baseline set in this run: the gate's candidate and a matrix's later sets load the checkpoints their baseline saved")
+        pytest.skip(absent)
     if export.refused:
         raise tiny.NotApplicable(f"set '{export.set_name}' could not build this model ({export.refused})")
     written, here = Version(export.versions["transformers"]).major, Version(versions["transformers"]).major
@@ -83,6 +84,26 @@ def baseline_export(base_exchange, name: str, versions: dict[str, str]):
     return export
 
 
+def reload_written(under_test, quantization, prompt, export) -> None:
+    """Load the checkpoint another set saved: it holds what was written and reproduces the logits the writer's saved
+    model gave."""
+    written = serialize.require_checkpoint_written(export.checkpoint, quantization)
+
+    model = serialize.load_saved(under_test, export.checkpoint)
+
+    # This set's own quantization of the bf16 weights the writer quantized: what this set's kernels alone make of them.
+    own = scenario.logits(serialize.load_quantized(under_test, quantization, checkpoint=export.source_checkpoint), prompt)
+    logits, reference = scenario.logits(model, prompt), export.outputs["logits"]
+    held = serialize.quantized_layers(model)
+    print(f"stackcheck measured: set '{export.set_name}' saved {len(export.facts['quantized_layers'])} bitsandbytes layers, "
+          f"this set holds {len(held)}; this set's own quantization is off the writer's logits by "
+          f"{scenario.relative_error(own, reference):.4f} and off the loaded checkpoint's by {scenario.relative_error(logits, own):.4f}")
+    elsewhere = assert_held_as_written(model, written, f"the checkpoint set '{export.set_name}' saved")
+    print(f"stackcheck measured: {len(elsewhere)} of {len(written)} saved tensors held under other names")
+    scenario.assert_within(f"the checkpoint set '{export.set_name}' saved computes otherwise here: relative error",
+                           scenario.relative_error(logits, reference), ACROSS_SETS_TOLERANCE)
+
+
 # CPU lane only: on a GPU the sets' 4-bit kernels differ by more than on the CPU (see adapter_round_trip).
 @pytest.mark.cpu
 @pytest.mark.axes(quantization=QUANTIZATION)
@@ -90,19 +111,18 @@ def test_checkpoint_saved_by_the_baseline_set_reloads(under_test, quantization, 
     """The upgrade: the quantized checkpoint the baseline set saved (the test above, run by it), loaded by this
     set, holds what was written and reproduces the logits the baseline's saved model gave."""
     versions = request.config.stash[keys.VERSIONS]
-    export = baseline_export(base_exchange, export_name(lane, quantization), versions)
-    written = serialize.require_checkpoint_written(export.checkpoint, quantization)
+    reload_written(under_test, quantization, prompt, baseline_export(
+        base_exchange, export_name(lane, quantization), versions,
+        "no baseline set in this run: the gate's candidate and a matrix's later sets load the checkpoints their baseline saved"))
 
-    model = serialize.load_saved(under_test, export.checkpoint)
 
-    # This set's own quantization of the bf16 weights the baseline quantized: what this set's kernels alone make of them.
-    own = scenario.logits(serialize.load_quantized(under_test, quantization, checkpoint=export.source_checkpoint), prompt)
-    logits, reference = scenario.logits(model, prompt), export.outputs["logits"]
-    held = serialize.quantized_layers(model)
-    print(f"stackcheck measured: set '{export.set_name}' saved {len(export.facts['quantized_layers'])} bitsandbytes layers, "
-          f"this set holds {len(held)}; this set's own quantization is off the baseline's logits by "
-          f"{scenario.relative_error(own, reference):.4f} and off the loaded checkpoint's by {scenario.relative_error(logits, own):.4f}")
-    elsewhere = assert_held_as_written(model, written, f"the checkpoint set '{export.set_name}' saved")
-    print(f"stackcheck measured: {len(elsewhere)} of {len(written)} saved tensors held under other names")
-    scenario.assert_within(f"the checkpoint set '{export.set_name}' saved computes otherwise here: relative error",
-                           scenario.relative_error(logits, reference), ACROSS_SETS_TOLERANCE)
+@pytest.mark.cpu
+@pytest.mark.axes(quantization=QUANTIZATION)
+def test_checkpoint_saved_by_transformers_4_reloads(under_test, quantization, lane, prompt, writer_exchange, request):
+    """The 4 to 5 upgrade in every run: the quantized checkpoint the cross-release writer (sets.toml's `cross_release`,
+    transformers 4.57) saved, written once per machine into the cache by the test above, loaded by this set as the
+    baseline's is."""
+    versions = request.config.stash[keys.VERSIONS]
+    reload_written(under_test, quantization, prompt, baseline_export(
+        writer_exchange, export_name(lane, quantization), versions,
+        "no cross-release checkpoints in this run: matrix and gpu-matrix pass them unless --no-cross-release, or the writer set is one of the run's sets"))
