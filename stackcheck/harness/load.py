@@ -675,6 +675,11 @@ def bf16_bytes(under_test: UnderTest) -> int:
     return compute_module_sizes(skeleton)[""]
 
 
+# The budgets of the load contract's `device_map="auto"`, by the value the axis model gives them (from_pretrained's
+# max_memory, stackcheck/axes.toml): a multiple of the quantized model's footprint on the main device.
+AUTO_BUDGETS = {"<1.5 x the quantized footprint on the main device>": 1.5, "<0.9 x the quantized footprint on the main device>": 0.9}
+
+
 def auto_placed(under_test: UnderTest, quantization: Quantization, budget: int, offload_dir: Path):
     """The user's `from_pretrained(..., device_map="auto", max_memory=...)`: `budget` bytes on the lane's device, what does
     not fit goes one level down (the GPU lane: the CPU, with its whole memory; the CPU lane: disk, in `offload_dir`), with

@@ -15,6 +15,7 @@ from stackcheck.harness.scenario import ToleranceExceeded
 
 LLAMA3 = scenario.UnderTest(architectures.builtin()["llama3"], torch.device("cpu"))
 NF4 = scenario.Quantization("nf4", True, torch.bfloat16)
+BUDGET = {factor: form for form, factor in load.AUTO_BUDGETS.items()}  # load_auto_device_map's max_memory values
 
 
 def family(name):
@@ -102,7 +103,7 @@ def test_auto_device_map_fails_when_the_map_is_sized_in_bf16(monkeypatch, tmp_pa
 
     monkeypatch.setattr(Bnb4BitHfQuantizer, "param_element_size", lambda self, model, name, param: param.element_size())
     with pytest.raises(AssertionError, match=r"^device_map='auto' spills a model that fits max_memory \(1\.5x its footprint\) off cpu: "):
-        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, NF4, 1.5, tmp_path / "offload", prompt)
+        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, False, BUDGET[1.5], tmp_path / "offload", prompt)
 
 
 def test_auto_device_map_fails_when_module_sizes_are_undercounted(monkeypatch, tmp_path, prompt):
@@ -117,7 +118,7 @@ def test_auto_device_map_fails_when_module_sizes_are_undercounted(monkeypatch, t
 
     monkeypatch.setattr(hf_accelerate, "compute_module_sizes", halved)
     with pytest.raises(ToleranceExceeded, match=r"^device_map='auto' places more on cpu than max_memory allows: bytes placed / budget"):
-        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, NF4, 0.9, tmp_path / "offload", prompt)
+        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, False, BUDGET[0.9], tmp_path / "offload", prompt)
 
 
 def test_auto_device_map_fails_when_the_budget_drifts_between_calls(monkeypatch, tmp_path, prompt):
@@ -133,7 +134,7 @@ def test_auto_device_map_fails_when_the_budget_drifts_between_calls(monkeypatch,
 
     monkeypatch.setattr(hf_accelerate, "get_balanced_memory", drifting)
     with pytest.raises(AssertionError, match=r"^device_map='auto' with the same model and max_memory gives another map on the second call: "):
-        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, NF4, 0.9, tmp_path / "offload", prompt)
+        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, False, BUDGET[0.9], tmp_path / "offload", prompt)
 
 
 def test_skip_list_names_every_attention_kind_of_a_hybrid_model():
