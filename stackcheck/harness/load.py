@@ -142,13 +142,9 @@ def first_nested_linear4bit(model) -> tuple[str, torch.nn.Module]:
 
 # --- Quantization as an axis (the load contract) ------------------------------------------------------------------
 
-# The values of the quantization axes, by id (`@pytest.mark.axes`): bitsandbytes' two 4-bit data types and LLM.int8;
-# double quant (4-bit only: LLM.int8 has no second-level quantization, its cells load as they would without it);
-# the dtype the model is loaded in, which is also the 4-bit compute dtype (transformers' pairing: the T4 recipe loads
-# fp16 with fp16 compute, transformers 4's default was fp32 for both, QLoRA's is bf16).
+# The kinds of quantization: bitsandbytes' two 4-bit data types and LLM.int8. The load contract takes its axes from the
+# axis model (BitsAndBytesConfig's fields, `Quantization.of`).
 QUANT_TYPES = {"nf4": "nf4", "fp4": "fp4", "int8": "int8"}
-DOUBLE_QUANT = {"dq": True, "nodq": False}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -172,6 +168,14 @@ class Quantization:
     def load_in(self) -> str:
         """The BitsAndBytesConfig flag, as users and failure messages name it."""
         return "load_in_4bit" if self.four_bit else "load_in_8bit"
+
+    @classmethod
+    def of(cls, load_in_8bit: bool, bnb_4bit_quant_type: str, bnb_4bit_use_double_quant: bool, bnb_4bit_compute_dtype: str) -> Quantization:
+        """The quantization of BitsAndBytesConfig field values (the axis model's): LLM.int8 under `load_in_8bit` (it
+        reads no 4-bit field), else 4-bit; the model is loaded in the compute dtype too (transformers' pairing: the T4
+        recipe loads fp16 with fp16 compute, transformers 4's default was fp32 for both, QLoRA's is bf16)."""
+        kind = "int8" if load_in_8bit else bnb_4bit_quant_type
+        return cls(kind, bnb_4bit_use_double_quant, getattr(torch, bnb_4bit_compute_dtype))
 
     def __str__(self) -> str:
         if not self.four_bit:
@@ -568,8 +572,9 @@ def rows_span_blocks(module, quantization: Quantization) -> bool:
     return blocksize is not None and module.in_features % blocksize != 0
 
 
-# The user's skip list, as an axis of the load contract. Every list names the output head again (a user's list
-# replaces transformers' defaults, so it must: `skip_modules_drop_default_skips`), beside:
+# The user's skip list, as an axis of the load contract: the values of llm_int8_skip_modules the axis model gives them
+# (stackcheck/axes.toml) -> the list's name here. Every list names the output head again (a user's list replaces
+# transformers' defaults, so it must: `skip_modules_drop_default_skips`), beside:
 # - `defaults`: no list, transformers' defaults;
 # - `attention0`: the first decoder layer's attention by its full path; in a hybrid model the first attention of every
 #   other kind too, so that each kind is skipped once (Qwen3-Next: `layers.0.linear_attn` and `layers.3.self_attn`);
@@ -578,16 +583,18 @@ def rows_span_blocks(module, quantization: Quantization) -> bool:
 # - `sibling`: the full path of a module whose name is a string prefix of a sibling's (Qwen3-Next's
 #   `layers.0.mlp.shared_expert` beside `layers.0.mlp.shared_expert_gate`, as transformers PR #47990's `mlp.gate` beside
 #   `mlp.gate_proj`): the entry names the one module, not its sibling. Not applicable on a model with no such pair.
-SKIPS = {"defaults": None, "attention0": "attention0", "inner": "inner", "sibling": "sibling"}
+SKIPS = {"<default>": None, "<head and the first attention of each kind>": "attention0", "<head, q_proj and v_proj>": "inner",
+         "<head and a module whose name prefixes a sibling's>": "sibling"}
 INNER_SKIPS = ("q_proj", "v_proj")
 
 
 def skip_list(under_test: UnderTest, skip: str | None) -> list[str] | None:
-    """The `llm_int8_skip_modules` of a `SKIPS` value, read off the model's structure (built on meta)."""
+    """The `llm_int8_skip_modules` of a `SKIPS` key or value, read off the model's structure (built on meta)."""
+    skip = SKIPS.get(skip, skip)
     if not skip:
         return None
     if skip not in SKIPS.values():
-        raise ValueError(f"unknown skip list '{skip}' (known: {', '.join(SKIPS)})")
+        raise ValueError(f"unknown skip list '{skip}' (known: {', '.join(name for name in SKIPS.values() if name)})")
     from stackcheck.harness.place import first_attention_of_each_kind, module_name
 
     with torch.device("meta"):
@@ -666,6 +673,11 @@ def bf16_bytes(under_test: UnderTest) -> int:
     with torch.device("meta"):
         skeleton = tiny.model_class(under_test.arch)(tiny.tiny_config(under_test.arch)).to(torch.bfloat16)
     return compute_module_sizes(skeleton)[""]
+
+
+# The budgets of the load contract's `device_map="auto"`, by the value the axis model gives them (from_pretrained's
+# max_memory, stackcheck/axes.toml): a multiple of the quantized model's footprint on the main device.
+AUTO_BUDGETS = {"<1.5 x the quantized footprint on the main device>": 1.5, "<0.9 x the quantized footprint on the main device>": 0.9}
 
 
 def auto_placed(under_test: UnderTest, quantization: Quantization, budget: int, offload_dir: Path):

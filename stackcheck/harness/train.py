@@ -249,8 +249,15 @@ def forward_runs(module: torch.nn.Module, run) -> int:
     return len(calls)
 
 
-# bitsandbytes' AdamW family as QLoRA users pick it (the Trainer's `optim` names): the class, and the bits of its state.
-BNB_ADAMW = {"adamw_8bit": ("AdamW8bit", 8), "paged_adamw_8bit": ("PagedAdamW8bit", 8), "paged_adamw_32bit": ("PagedAdamW", 32)}
+# bitsandbytes' AdamW by the constructor arguments the axis model makes axes (bnb_optim's optim_bits and is_paged), named
+# as the Trainer's `optim` names them (the unpaged 32-bit one has none): AdamW8bit, PagedAdamW8bit and PagedAdamW are
+# bnb.optim.AdamW with these arguments fixed.
+BNB_ADAMW = {"adamw_8bit": (8, False), "paged_adamw_8bit": (8, True), "adamw_32bit": (32, False), "paged_adamw_32bit": (32, True)}
+
+
+def bnb_adamw_name(optim_bits: int, is_paged: bool) -> str:
+    """The BNB_ADAMW name of bitsandbytes' AdamW with these arguments."""
+    return next(name for name, arguments in BNB_ADAMW.items() if arguments == (optim_bits, is_paged))
 
 
 def bnb_adamw(name: str, params, **hyperparameters) -> torch.optim.Optimizer:
@@ -259,10 +266,10 @@ def bnb_adamw(name: str, params, **hyperparameters) -> torch.optim.Optimizer:
     `min_8bit_size=0`: the 8-bit state a full-size model's LoRA tensors (rank 16 x 4096 = 65536 elements) get."""
     import bitsandbytes as bnb
 
-    class_name, bits = BNB_ADAMW[name]
+    bits, paged = BNB_ADAMW[name]
     if bits == 8:
         hyperparameters = {**hyperparameters, "min_8bit_size": 0}
-    return getattr(bnb.optim, class_name)(params, **hyperparameters)
+    return bnb.optim.AdamW(params, optim_bits=bits, is_paged=paged, **hyperparameters)
 
 
 def state_dtypes(optimizer: torch.optim.Optimizer, parameters: dict[str, torch.nn.Parameter]) -> dict[str, torch.dtype | None]:

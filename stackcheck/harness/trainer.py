@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from stackcheck.harness.adapt import LEFT_OUT
 from stackcheck.harness.load import first_nested_linear4bit, linear4bit_modules, load_base
 from stackcheck.harness.proof import require
 from stackcheck.harness.subject import UnderTest
@@ -33,11 +34,12 @@ def one_device(args, device: torch.device):
     return args
 
 
-def lora_model(under_test: UnderTest, quantized: bool = True, checkpointing: bool | None = None, **lora):
+def lora_model(under_test: UnderTest, quantized: bool = True, checkpointing: bool | dict | str | None = None, **lora):
     """PEFT's QLoRA recipe on a fresh base (NF4 with double quant, or bf16): `prepare_model_for_kbit_training` with
-    gradient checkpointing off (`checkpointing` None) or on (True: reentrant, False: non-reentrant), then a LoRA of
-    the architecture's language targets whose B is random too (`init_lora_weights=False`, so that every LoRA tensor
-    gets a gradient at the first step), seeded, in training mode."""
+    gradient checkpointing off (`checkpointing` None) or on (True: reentrant, False: non-reentrant; or the
+    `gradient_checkpointing_kwargs` themselves, LEFT_OUT passing none: the libraries' default), then a LoRA of the
+    architecture's language targets whose B is random too (`init_lora_weights=False`, so that every LoRA tensor gets a
+    gradient at the first step), seeded, in training mode."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
     base = load_base(under_test, quantized=quantized)
@@ -45,7 +47,7 @@ def lora_model(under_test: UnderTest, quantized: bool = True, checkpointing: boo
         first_nested_linear4bit(base)
     else:
         require(not linear4bit_modules(base), "the bf16 base is quantized")
-    kwargs = {"use_reentrant": checkpointing} if checkpointing is not None else None
+    kwargs = {"use_reentrant": checkpointing} if isinstance(checkpointing, bool) else None if checkpointing == LEFT_OUT else checkpointing
     base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=checkpointing is not None, gradient_checkpointing_kwargs=kwargs)
     if checkpointing is not None and not quantized:  # PEFT's recipe checkpoints quantized bases only: as bf16 LoRA users do
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
@@ -62,7 +64,7 @@ class Gradients:
     all_layers_checkpointed: bool
 
 
-def lora_gradients(under_test: UnderTest, quantized: bool = True, checkpointing: bool | None = None) -> Gradients:
+def lora_gradients(under_test: UnderTest, quantized: bool = True, checkpointing: bool | dict | str | None = None) -> Gradients:
     """One forward and backward of the fixed training batch: the loss and every LoRA tensor's gradient."""
     model = lora_model(under_test, quantized, checkpointing)
     seen = CheckpointingSeen(model)

@@ -55,3 +55,25 @@ def test_a_family_takes_its_axes_and_refusals_from_the_model():
     ids = {name: list(values) for name, values in lora.items()}
     cells = axes.cover(ids, invalid=surfaces.model_invalid("lora", lora))
     assert not axes.uncovered_pairs(ids, cells, surfaces.model_invalid("lora", lora))
+
+
+def test_the_load_contract_builds_every_skip_list_it_covers():
+    """Each value of llm_int8_skip_modules the model does not cut is a list harness.load builds (`SKIPS`)."""
+    from stackcheck.core import explore
+    from stackcheck.harness import load, surfaces
+
+    bnb = surfaces.model_axes("bnb_config", "llm_int8_skip_modules")
+    cuts = surfaces.model_invalid("bnb_config", bnb)
+    covered = [value for vid, value in bnb["llm_int8_skip_modules"].items() if not explore.refused({"llm_int8_skip_modules": vid}, cuts)]
+    assert len(covered) == 4 and all(value in load.SKIPS for value in covered), covered
+
+
+def test_the_auto_placement_contract_builds_every_budget_it_covers():
+    """Each value of from_pretrained's max_memory the model does not cut is a budget harness.load builds (`AUTO_BUDGETS`)."""
+    from stackcheck.core import explore
+    from stackcheck.harness import load, surfaces
+
+    budgets = surfaces.model_axes("from_pretrained", "max_memory")
+    cuts = surfaces.model_invalid("from_pretrained", budgets)
+    covered = [value for vid, value in budgets["max_memory"].items() if not explore.refused({"max_memory": vid}, cuts)]
+    assert covered == list(load.AUTO_BUDGETS), covered

@@ -15,6 +15,7 @@ from stackcheck.harness.scenario import ToleranceExceeded
 
 LLAMA3 = scenario.UnderTest(architectures.builtin()["llama3"], torch.device("cpu"))
 NF4 = scenario.Quantization("nf4", True, torch.bfloat16)
+BUDGET = {factor: form for form, factor in load.AUTO_BUDGETS.items()}  # load_auto_device_map's max_memory values
 
 
 def family(name):
@@ -53,7 +54,7 @@ def test_quantized_layers_fails_on_a_linear_bitsandbytes_did_not_replace(monkeyp
 
     monkeypatch.setattr(integrations, "replace_with_bnb_linear", replace_all_but_one)
     with pytest.raises(AssertionError, match=r"^1 weights meant for load_in_4bit stay in torch\.bfloat16: model\.layers\.\*\.mlp\.down_proj(\n|$)"):
-        family("load_quantized_layers").test_every_weight_meant_for_quantization_is_quantized(LLAMA3, "nf4", True, torch.bfloat16, None, None)
+        family("load_quantized_layers").test_every_weight_meant_for_quantization_is_quantized(LLAMA3, False, "nf4", True, "bfloat16", "<default>", None)
 
 
 def test_quantized_layers_fails_when_the_skip_list_is_ignored(monkeypatch):
@@ -66,7 +67,7 @@ def test_quantized_layers_fails_when_the_skip_list_is_ignored(monkeypatch):
 
     monkeypatch.setattr(HfQuantizer, "get_modules_to_not_convert", staticmethod(ignoring_the_user))
     with pytest.raises(AssertionError, match=r"^llm_int8_skip_modules entries whose modules are quantized anyway: model\.layers\.0\.self_attn(\n|$)"):
-        family("load_quantized_layers").test_every_weight_meant_for_quantization_is_quantized(LLAMA3, "nf4", True, torch.bfloat16, "attention0", None)
+        family("load_quantized_layers").test_every_weight_meant_for_quantization_is_quantized(LLAMA3, False, "nf4", True, "bfloat16", "attention0", None)
     int8, skips = scenario.Quantization("int8"), load.skip_list(LLAMA3, "inner")
     with pytest.raises(AssertionError, match=r"^4 LoRA layers do not wrap what the skip list asked \(load_in_8bit, skipped: model\.layers\.\*\.self_attn\.q_proj \(2\), "):
         family("load_quantized_layers").peft_wraps_what_the_list_kept(LLAMA3, scenario.load_quantized(LLAMA3, int8, skip_modules=skips), int8, skips,
@@ -81,19 +82,19 @@ def test_quantized_outputs_fails_on_a_weight_transposed_while_loading(monkeypatc
     break_loader(monkeypatch, transpose)
     with pytest.raises(ToleranceExceeded, match=r"^1 quantized layers hold weights off the nf4 grid of the checkpoint "
                                                 r"\(model\.layers\.\*\.self_attn\.q_proj\): worst error in half code steps"):
-        family("load_quantized_outputs").test_quantized_model_reproduces_the_checkpoint(LLAMA3, "nf4", True, torch.bfloat16, False, prompt)
+        family("load_quantized_outputs").test_quantized_model_reproduces_the_checkpoint(LLAMA3, False, "nf4", True, "bfloat16", "<default>", prompt)
 
 
 def test_quantized_outputs_fails_on_a_quantized_layer_left_at_its_initialisation(monkeypatch, prompt):
     break_loader(monkeypatch, lambda state_dict: state_dict.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(ToleranceExceeded, match=r"^1 quantized layers hold weights off the int8 grid of the checkpoint \(model\.layers\.\*\.mlp\.up_proj\)"):
-        family("load_quantized_outputs").test_quantized_model_reproduces_the_checkpoint(LLAMA3, "int8", False, torch.float16, False, prompt)
+        family("load_quantized_outputs").test_quantized_model_reproduces_the_checkpoint(LLAMA3, True, "fp4", False, "float16", "<default>", prompt)
 
 
 def test_quantized_outputs_fails_on_an_unquantized_weight_not_loaded(monkeypatch, prompt):
     break_loader(monkeypatch, lambda state_dict: state_dict.pop("model.embed_tokens.weight"))
     with pytest.raises(AssertionError, match=r"^\d+ weights bitsandbytes leaves unquantized differ from the checkpoint: model\.embed_tokens"):
-        family("load_quantized_outputs").test_quantized_model_reproduces_the_checkpoint(LLAMA3, "fp4", False, torch.float32, False, prompt)
+        family("load_quantized_outputs").test_quantized_model_reproduces_the_checkpoint(LLAMA3, False, "fp4", False, "float32", "<default>", prompt)
 
 
 def test_auto_device_map_fails_when_the_map_is_sized_in_bf16(monkeypatch, tmp_path, prompt):
@@ -102,7 +103,7 @@ def test_auto_device_map_fails_when_the_map_is_sized_in_bf16(monkeypatch, tmp_pa
 
     monkeypatch.setattr(Bnb4BitHfQuantizer, "param_element_size", lambda self, model, name, param: param.element_size())
     with pytest.raises(AssertionError, match=r"^device_map='auto' spills a model that fits max_memory \(1\.5x its footprint\) off cpu: "):
-        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, NF4, 1.5, tmp_path / "offload", prompt)
+        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, False, BUDGET[1.5], tmp_path / "offload", prompt)
 
 
 def test_auto_device_map_fails_when_module_sizes_are_undercounted(monkeypatch, tmp_path, prompt):
@@ -117,7 +118,7 @@ def test_auto_device_map_fails_when_module_sizes_are_undercounted(monkeypatch, t
 
     monkeypatch.setattr(hf_accelerate, "compute_module_sizes", halved)
     with pytest.raises(ToleranceExceeded, match=r"^device_map='auto' places more on cpu than max_memory allows: bytes placed / budget"):
-        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, NF4, 0.9, tmp_path / "offload", prompt)
+        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, False, BUDGET[0.9], tmp_path / "offload", prompt)
 
 
 def test_auto_device_map_fails_when_the_budget_drifts_between_calls(monkeypatch, tmp_path, prompt):
@@ -133,7 +134,7 @@ def test_auto_device_map_fails_when_the_budget_drifts_between_calls(monkeypatch,
 
     monkeypatch.setattr(hf_accelerate, "get_balanced_memory", drifting)
     with pytest.raises(AssertionError, match=r"^device_map='auto' with the same model and max_memory gives another map on the second call: "):
-        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, NF4, 0.9, tmp_path / "offload", prompt)
+        family("load_auto_device_map").test_auto_device_map_honours_max_memory(LLAMA3, False, BUDGET[0.9], tmp_path / "offload", prompt)
 
 
 def test_skip_list_names_every_attention_kind_of_a_hybrid_model():
@@ -188,4 +189,4 @@ def test_quantized_outputs_fails_on_a_router_that_routes_by_other_scores(monkeyp
     monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(broken))
     qwen3moe = scenario.UnderTest(architectures.builtin()["qwen3moe"], torch.device("cpu"))
     with pytest.raises(ToleranceExceeded, match=r"^largest scores gap of a routing decision the model took otherwise than the fp32 checkpoint"):
-        family("load_quantized_outputs").test_quantized_model_reproduces_the_checkpoint(qwen3moe, "nf4", True, torch.bfloat16, False, prompt)
+        family("load_quantized_outputs").test_quantized_model_reproduces_the_checkpoint(qwen3moe, False, "nf4", True, "bfloat16", "<default>", prompt)

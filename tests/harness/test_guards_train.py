@@ -82,7 +82,7 @@ def test_optimizers_fail_when_the_bnb_step_counter_does_not_advance(monkeypatch)
 
     monkeypatch.setattr(bnb.optim.optimizer.Optimizer2State, "update_step", forgetful)
     with pytest.raises(AssertionError, match="bitsandbytes' paged_adamw_32bit drifts from torch's AdamW over 3 steps"):
-        contract("train", "optimizers_track_adamw").test_bnb_optimizer_tracks_torch_adamw(LLAMA3, "paged_adamw_32bit")
+        contract("train", "optimizers_track_adamw").test_bnb_optimizer_tracks_torch_adamw(LLAMA3, 32, True)
 
 
 def test_optimizers_fail_when_every_step_is_scaled_past_float32s_rounding(monkeypatch):
@@ -105,7 +105,7 @@ def test_optimizers_fail_when_every_step_is_scaled_past_float32s_rounding(monkey
 
     monkeypatch.setattr(bnb.optim.optimizer.Optimizer2State, "update_step", faster)
     with pytest.raises(AssertionError, match=r"drifts from torch's AdamW over 3 steps: worst LoRA tensor's relative error \(its elements\) 0\.00[2-3]"):
-        contract("train", "optimizers_track_adamw").test_bnb_optimizer_tracks_torch_adamw(LLAMA3, "paged_adamw_32bit")
+        contract("train", "optimizers_track_adamw").test_bnb_optimizer_tracks_torch_adamw(LLAMA3, 32, True)
 
 
 def test_the_uniform_step_scale_is_found_where_it_is_the_whole_difference():
@@ -140,7 +140,7 @@ def test_optimizers_fail_when_the_weight_decay_follows_the_update(monkeypatch):
 
     monkeypatch.setattr(bnb.optim.optimizer.Optimizer2State, "update_step", decay_after)
     with pytest.raises(AssertionError, match=r"decays the weights otherwise than torch's AdamW .* \(the share decay-after-update explains (0\.99\d\d|1\.00\d\d)\)"):
-        contract("train", "optimizers_track_adamw").test_bnb_adamw_decays_the_weights_as_torch_adamw(torch.device("cpu"), "paged_adamw_32bit")
+        contract("train", "optimizers_track_adamw").test_bnb_adamw_decays_the_weights_as_torch_adamw(torch.device("cpu"), True)
 
 
 def test_optimizers_fail_when_a_per_parameter_override_is_dropped(monkeypatch):

@@ -9,16 +9,19 @@ import gc
 import pytest
 import torch
 
-from stackcheck.harness import scenario
+from stackcheck.harness import scenario, surfaces
 
-FITS, TIGHT = 1.5, 0.9
-BUDGETS = {"fits": FITS, "tight": TIGHT}
-QUANTIZATIONS = {"nf4": scenario.Quantization("nf4", True, torch.bfloat16), "int8": scenario.Quantization("int8", False, torch.bfloat16)}
+# From the axis model: LLM.int8 or 4-bit (the QLoRA recipe's NF4 with double quant), and max_memory as a multiple of
+# the quantized footprint on the main device (scenario.AUTO_BUDGETS: 1.5 fits, 0.9 is tight).
+AXES = {**surfaces.model_axes("bnb_config", "load_in_8bit"), **surfaces.model_axes("from_pretrained", "max_memory")}
+QUANTIZATIONS = {False: scenario.Quantization("nf4", True, torch.bfloat16), True: scenario.Quantization("int8", False, torch.bfloat16)}
 LOGIT_TOLERANCE = 1e-3
 
 
-@pytest.mark.axes(quant=QUANTIZATIONS, budget=BUDGETS)
-def test_auto_device_map_honours_max_memory(under_test, quant, budget, offload_dir, prompt):
+@pytest.mark.axes(**AXES)
+@pytest.mark.axes_invalid(*surfaces.model_invalid("bnb_config", AXES), *surfaces.model_invalid("from_pretrained", AXES))
+def test_auto_device_map_honours_max_memory(under_test, load_in_8bit, max_memory, offload_dir, prompt):
+    quant, budget = QUANTIZATIONS[load_in_8bit], scenario.AUTO_BUDGETS[max_memory]
     whole = scenario.shared_quantized(under_test, quant)
     footprint = scenario.model_bytes(whole)
     allowed = int(footprint * budget)
@@ -26,7 +29,7 @@ def test_auto_device_map_honours_max_memory(under_test, quant, budget, offload_d
     model, device_map = scenario.auto_placed(under_test, quant, allowed, offload_dir)
     elsewhere = {name: device for name, device in device_map.items() if device != main}
 
-    if budget == FITS:
+    if budget >= 1:  # the model fits
         bf16 = scenario.bf16_bytes(under_test)
         print(f"stackcheck measured: footprint {footprint} B, budget {allowed} B, bf16 size {bf16} B "
               f"({'a map sized in bf16 would spill it' if allowed < bf16 else 'the budget holds it in bf16 too'})")

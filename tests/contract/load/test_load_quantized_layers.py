@@ -6,8 +6,14 @@ The property, the bugs it catches and preconditions: docs/family-notes.md#load_q
 import pytest
 import torch
 
-from stackcheck.harness import scenario
+from stackcheck.harness import scenario, surfaces
 from stackcheck.models import footprint
+
+# BitsAndBytesConfig's fields, from the axis model: LLM.int8 or 4-bit (its data type and double quant), the compute
+# dtype (the model is loaded in it too) and the skip list; the 4-bit fields held at their defaults under LLM.int8.
+BNB = surfaces.model_axes("bnb_config", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
+                          "llm_int8_skip_modules")
+
 
 def kept_by_the_model(model) -> list[str]:
     """The modules the model class keeps in fp32 (transformers' `_keep_in_fp32_modules`, a documented contract)."""
@@ -24,10 +30,12 @@ def skipped_by(name: str, roots: list[str]) -> bool:
     return any(name == root or name.startswith(root + ".") for root in roots)
 
 
-@pytest.mark.axes(quant=scenario.QUANT_TYPES, double_quant=scenario.DOUBLE_QUANT, dtype=scenario.DTYPES, skip=scenario.SKIPS)
-def test_every_weight_meant_for_quantization_is_quantized(under_test, quant, double_quant, dtype, skip, prompt):
-    quantization = scenario.Quantization(quant, double_quant, dtype)
-    skip_list = scenario.skip_list(under_test, skip)
+@pytest.mark.axes(**BNB)
+@pytest.mark.axes_invalid(*surfaces.model_invalid("bnb_config", BNB))
+def test_every_weight_meant_for_quantization_is_quantized(under_test, load_in_8bit, bnb_4bit_quant_type, bnb_4bit_use_double_quant, bnb_4bit_compute_dtype,
+                                                          llm_int8_skip_modules, prompt):
+    quantization = scenario.Quantization.of(load_in_8bit, bnb_4bit_quant_type, bnb_4bit_use_double_quant, bnb_4bit_compute_dtype)
+    skip_list = scenario.skip_list(under_test, llm_int8_skip_modules)
     model = scenario.shared_quantized(under_test, quantization, skip_list)
     quantizer = getattr(model, "hf_quantizer", None)
     scenario.require(quantizer is not None and getattr(quantizer.quantization_config, quantization.load_in),

@@ -9,10 +9,14 @@ The property, the judgement and what it found: docs/family-notes.md#load_quantiz
 import pytest
 import torch
 
-from stackcheck.harness import scenario
+from stackcheck.harness import scenario, surfaces
 
 GRID_TOLERANCE = 1.25
 LOGIT_TOLERANCE = 1.25
+# BitsAndBytesConfig's fields, from the axis model: LLM.int8 or 4-bit (its data type and double quant), the compute
+# dtype (the model is loaded in it too) and the skip list; the 4-bit fields held at their defaults under LLM.int8.
+BNB = surfaces.model_axes("bnb_config", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
+                          "llm_int8_skip_modules")
 
 # Reference logits on the prompt, by (architecture, device, dtype, the routing followed): the same for every
 # quantization of a model that routes alike; with the reference's own routing (its scores and what it followed).
@@ -58,10 +62,13 @@ def routing_measured(model_routing, checkpoint, explanations) -> None:
                            "units of the largest change the rounding makes to that router's scores", max(ratios), ROUTING_TOLERANCE)
 
 
-@pytest.mark.axes(quant=scenario.QUANT_TYPES, double_quant=scenario.DOUBLE_QUANT, dtype=scenario.DTYPES, skip=scenario.SKIPS)
-def test_quantized_model_reproduces_the_checkpoint(under_test, quant, double_quant, dtype, skip, prompt):
-    quantization = scenario.Quantization(quant, double_quant, dtype)
-    model = scenario.shared_quantized(under_test, quantization, scenario.skip_list(under_test, skip))
+@pytest.mark.axes(**BNB)
+@pytest.mark.axes_invalid(*surfaces.model_invalid("bnb_config", BNB))
+def test_quantized_model_reproduces_the_checkpoint(under_test, load_in_8bit, bnb_4bit_quant_type, bnb_4bit_use_double_quant, bnb_4bit_compute_dtype,
+                                                   llm_int8_skip_modules, prompt):
+    quantization = scenario.Quantization.of(load_in_8bit, bnb_4bit_quant_type, bnb_4bit_use_double_quant, bnb_4bit_compute_dtype)
+    quant, dtype = quantization.kind, quantization.dtype
+    model = scenario.shared_quantized(under_test, quantization, scenario.skip_list(under_test, llm_int8_skip_modules))
     quantized = scenario.quantized_modules(model)
     scenario.require(quantized, "the model holds no bitsandbytes layer")
     reference = scenario.reference_model(under_test)

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from stackcheck.harness import scenario
+from stackcheck.harness import scenario, surfaces
 
 STEPS = 3
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -27,6 +27,8 @@ SCALE_PROBE = 1e-4
 DYNAMIC_RANGE = 100.0
 # bitsandbytes' default compute dtype: why not bf16, docs/family-notes.md#optimizers_track_adamw.
 COMPUTE_DTYPE = torch.float32
+# bitsandbytes' AdamW by its constructor's arguments, from the axis model: the state's bits, and paging.
+BNB_OPTIM = surfaces.model_axes("bnb_optim", "optim_bits", "is_paged")
 
 
 class Run:
@@ -123,13 +125,15 @@ def update_errors(run: Run, weights: dict[str, torch.Tensor], represented: bool 
     return errors
 
 
-@pytest.mark.axes(optimizer={name: name for name in scenario.BNB_ADAMW})
-def test_bnb_optimizer_tracks_torch_adamw(under_test, optimizer):
+@pytest.mark.axes(**BNB_OPTIM)
+@pytest.mark.axes_invalid(*surfaces.model_invalid("bnb_optim", BNB_OPTIM))
+def test_bnb_optimizer_tracks_torch_adamw(under_test, optim_bits, is_paged):
+    optimizer = scenario.bnb_adamw_name(optim_bits, is_paged)
     run = torch_adamw_run(under_test)
     weights, losses, bnb_optimizer = run.train(lambda params: scenario.bnb_adamw(optimizer, params, **ADAMW))
     run.torch_adamw()
 
-    bits = scenario.BNB_ADAMW[optimizer][1]
+    bits = optim_bits
     expected = torch.uint8 if bits == 8 else torch.float32
     dtypes = scenario.state_dtypes(bnb_optimizer, run.lora)
     other = {name: dtype for name, dtype in dtypes.items() if dtype != expected}
@@ -208,8 +212,8 @@ DECAY_STEP = {"lr": 0.1, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.5
 DECAY_ELEMENTS = 4096
 
 
-@pytest.mark.axes(optimizer={"paged_adamw_32bit": "paged_adamw_32bit"})
-def test_bnb_adamw_decays_the_weights_as_torch_adamw(device, optimizer):
+@pytest.mark.axes(**surfaces.model_axes("bnb_optim", "is_paged"))
+def test_bnb_adamw_decays_the_weights_as_torch_adamw(device, is_paged):
     """bitsandbytes' AdamW takes torch's AdamW step whatever the hyperparameters, the decoupled weight decay
     included: torch decays the weights before it subtracts the update, p <- p (1 - lr wd) - lr u. One step of 4096
     weights (seeded normal weights and gradients) on the lane's device, at lr 0.1 and weight decay 0.5 (lr x wd 0.05,
@@ -224,7 +228,8 @@ def test_bnb_adamw_decays_the_weights_as_torch_adamw(device, optimizer):
 
     Precondition proven: torch's AdamW moved every weight, the bitsandbytes optimizer holds a 32-bit state for it.
     Tolerance: TOLERANCE[32] (1e-3) of the step, relative; torch's fused AdamW against its default, the same step,
-    measured 0.0 on the CPU."""
+    measured 0.0 on the CPU. The 32-bit state, paged or not (the axis model's is_paged: the same kernel)."""
+    optimizer = scenario.bnb_adamw_name(32, is_paged)
     generator = torch.Generator().manual_seed(0)
     start, grad = torch.randn(DECAY_ELEMENTS, generator=generator), torch.randn(DECAY_ELEMENTS, generator=generator)
 

@@ -13,10 +13,11 @@ import math
 import pytest
 import torch
 
-from stackcheck.harness import scenario
+from stackcheck.harness import scenario, surfaces
 from stackcheck.harness import trainer
 
-CHECKPOINTING = {"reentrant": True, "non_reentrant": False}
+# TrainingArguments' checkpointing kwargs, from the axis model: left out (the libraries' default), reentrant or not.
+CHECKPOINTING = surfaces.model_axes("training_args", "gradient_checkpointing_kwargs")
 BASES = {"nf4": True, "bf16": False}
 GRADIENT_TOLERANCE = 1e-3
 ACCUMULATION_TOLERANCE = 1e-3
@@ -30,10 +31,11 @@ def accumulation_tolerance(floor: float) -> float:
     return max(ACCUMULATION_TOLERANCE, math.ceil(BATCHING_FLOOR_FACTOR * floor * 1e4) / 1e4)
 
 
-@pytest.mark.axes(checkpointing=CHECKPOINTING, base=BASES)
-def test_a_checkpointed_step_equals_the_plain_step(under_test, checkpointing, base):
+@pytest.mark.axes(**CHECKPOINTING, base=BASES)
+@pytest.mark.axes_invalid(*surfaces.model_invalid("training_args", CHECKPOINTING))
+def test_a_checkpointed_step_equals_the_plain_step(under_test, gradient_checkpointing_kwargs, base):
     plain = trainer.lora_gradients(under_test, quantized=base, checkpointing=None)
-    checkpointed = trainer.lora_gradients(under_test, quantized=base, checkpointing=checkpointing)
+    checkpointed = trainer.lora_gradients(under_test, quantized=base, checkpointing=gradient_checkpointing_kwargs)
     scenario.require(checkpointed.all_layers_checkpointed, "not every decoder layer ran under gradient checkpointing")
     scenario.require(any(g.any() for g in plain.gradients.values()), "no LoRA tensor got a non-zero gradient")
     scenario.require(plain.gradients.keys() == checkpointed.gradients.keys(), "the two models hold different LoRA tensors")
