@@ -67,12 +67,19 @@ def intact(folder: Path, writer: VersionSet, arch: Architecture) -> bool:
 
 def plan(sets: list[VersionSet], families: list[str] | None, arch_spec: str | None, off: bool) -> Plan | None:
     """The cross-release step of a run of `sets`: None where it is off (`--no-cross-release`), where the run leaves out
-    quantized_checkpoint or names no writer, or where the writer is one of the run's sets (its cells read it as today)."""
+    quantized_checkpoint, names no writer or no built-in architecture, or where the writer is one of the run's sets (its
+    cells read it as today)."""
     writer = cross_release_writer()
     if off or writer is None or (families is not None and FAMILY not in families) or writer.name in {s.name for s in sets}:
         return None
+    # The built-in architectures alone: a configuration of the user's may be one transformers 4 cannot build, and the
+    # run is about the user's sets (its model type is checked against theirs).
+    builtin = architectures.builtin()
+    archs = [a for a in architectures.resolve(arch_spec) if builtin.get(a.name) == a]
+    if not archs:
+        return None
     folder = cache_root() / "cross-release" / f"{writer.slug}-{key(writer)}"
-    return Plan(writer, folder, [a for a in architectures.resolve(arch_spec) if not intact(folder, writer, a)])
+    return Plan(writer, folder, [a for a in archs if not intact(folder, writer, a)])
 
 
 def prepare(found: Plan | None, find_links=(), no_index: bool = False) -> list[str]:
