@@ -151,7 +151,8 @@ def test_a_threads_child_stopped_by_a_signal_raises_there_too():
     def probe():
         try:
             started.set()
-            outcome["code"] = signals.call([sys.executable, "-c", "import time; time.sleep(60)"])
+            # Ctrl-C's default in the child: an xdist worker ignores SIGINT, which a child would inherit.
+            outcome["code"] = signals.call([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); time.sleep(60)"])
         except KeyboardInterrupt as exc:
             outcome["raised"] = exc
 
@@ -165,5 +166,6 @@ def test_a_threads_child_stopped_by_a_signal_raises_there_too():
     with pytest.raises(signals.Interrupted):
         signals._raise(signal.SIGTERM, None)
     thread.join(60)
+    assert not thread.is_alive(), "the thread's child did not stop"
     assert "code" not in outcome, f"the thread's call returned {outcome.get('code')} for a child cut short"
     assert isinstance(outcome.get("raised"), signals.Interrupted) and outcome["raised"].signum == signal.SIGTERM
