@@ -121,11 +121,16 @@ def sweep_library(library: Library, arch: str | None, store: ProbeStore, args) -
 SHAPE = ("package", "base", "overrides", "families", "lanes", "arch", "platform")
 
 
+def shape(record: dict) -> dict:
+    """SHAPE's values of a map; its architectures read from its cells where the sweep predates recording them."""
+    return {key: record["sweep"].get(key) for key in SHAPE if key != "arch"} | {"arch": sorted(architectures_of(record))}
+
+
 def merged(earlier: dict | None, record: dict) -> dict:
     """This sweep's map, with the releases that an earlier sweep of the same shape (SHAPE) probed and this one did
     not: a map grows over sessions and `--releases` lists. Each release keeps the digest of the family definitions it
     ran under (the page says when they differ); a sweep of another shape replaces the map."""
-    if earlier is None or any(earlier["sweep"].get(key) != record["sweep"].get(key) for key in SHAPE):
+    if earlier is None or shape(earlier) != shape(record):
         return record
     fresh = {r["release"] for r in record["releases"] if r["probe"]}
     kept = [r for r in earlier["releases"] if r["probe"] and r["release"] not in fresh]
