@@ -135,8 +135,7 @@ def merged(earlier: dict | None, record: dict) -> dict:
     fresh = {r["release"] for r in record["releases"] if r["probe"]}
     kept = [r for r in earlier["releases"] if r["probe"] and r["release"] not in fresh]
     for r in kept:
-        r["probe"].setdefault("definitions", None)
-        r["probe"]["definitions"] = r["probe"]["definitions"] or earlier["sweep"].get("fingerprint")
+        r["probe"]["definitions"] = r["probe"].get("definitions") or earlier["sweep"].get("fingerprint")
     held = {r["release"] for r in kept}
     releases = sorted([*kept, *(r for r in record["releases"] if r["probe"] or r["release"] not in held)],
                       key=lambda r: Version(r["release"]))
